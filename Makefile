@@ -1,0 +1,54 @@
+# The book and its lab. The two commands a reader needs:
+#   make book   set up, then render the book from the stored notebook outputs
+#   make test   set up, then run the unit tests and the notebooks (ci profile)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONSTRAINTS := requirements/constraints.txt
+STAMP := $(VENV)/.installed
+MODEL ?= smollm2-135m
+PROFILE ?= full
+
+.PHONY: env model book reproduce test test-unit test-notebooks serve clean freeze
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Install from the project's own files; torch is pinned first so pip never resolves a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[book,test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+env: $(STAMP)
+
+model: env
+	$(BIN)/labkit model fetch $(MODEL)
+
+book: model
+	$(BIN)/labkit book build
+
+# Re-execute every chapter in the given profile (default: full) and rebuild the book.
+reproduce: model
+	$(BIN)/labkit book run --profile $(PROFILE)
+	$(BIN)/labkit book build
+
+test: model
+	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+
+test-unit: model
+	$(BIN)/python -m pytest -q tests
+
+serve: model
+	$(BIN)/labkit serve
+
+# Rewrite the constraints file from the current environment (after a deliberate upgrade).
+freeze: env
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v "^-e" | sed "s/^torch==\(.*\)+cpu/torch==\1/" > $(CONSTRAINTS)
+
+clean:
+	rm -rf _build results/_ci

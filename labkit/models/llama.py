@@ -1,0 +1,194 @@
+"""The Llama forward pass, written out by hand (SmolLM2 is a small Llama).
+
+    tokens -> embedding -> N x [RMSNorm -> attention (RoPE, grouped KV) -> +residual
+                                RMSNorm -> SwiGLU MLP -> +residual]
+           -> RMSNorm -> tied LM head -> logits
+
+Weights are kept as plain tensors. The Q/K/V projections are fused into one matrix and
+the MLP's gate/up projections into another, so a decode step makes fewer, larger calls.
+Grouped-query attention never copies the shared key/value heads: the queries that share
+a KV head are stacked along the sequence axis instead (see `grouped_attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from labkit.models.gguf_file import LlamaConfig
+
+
+@dataclass
+class KVCache:
+    """A contiguous KV cache: room for `max_len` positions, the first `length` filled."""
+
+    keys: torch.Tensor  # [layers, batch, kv_heads, max_len, head_dim]
+    values: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, config: LlamaConfig, batch: int, max_len: int,
+              dtype: torch.dtype = torch.float32) -> "KVCache":
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
+    def nbytes(self, positions: int | None = None) -> int:
+        """Bytes the cache holds for `positions` tokens (default: the filled length)."""
+        per_position = self.keys[:, :, :, :1].nbytes + self.values[:, :, :, :1].nbytes
+        return per_position * (self.length if positions is None else positions)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the activation dtype, as the reference does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_tables(config: LlamaConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position: the buffers of a Llama that were never learned."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # [max_len, head_dim]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2) of every head by its position's angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      q_start: int) -> torch.Tensor:
+    """Causal attention where `group` query heads share each KV head, without repeating K/V.
+
+    q: [B, kv_heads, group, T, D] for positions q_start .. q_start+T-1
+    k, v: [B, kv_heads, S, D] for positions 0 .. S-1
+    returns [B, kv_heads, group, T, D]
+    """
+    batch, kv_heads, group, steps, dim = q.shape
+    keys = k.shape[2]
+    stacked = q.reshape(batch, kv_heads, group * steps, dim)
+    mask = None
+    if steps > 1:
+        q_pos = torch.arange(q_start, q_start + steps).repeat(group)  # row r is position r % T
+        mask = torch.arange(keys)[None, :] <= q_pos[:, None]
+    elif q_start + 1 < keys:
+        raise ValueError("decode query must be the last cached position")
+    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask)
+    return out.reshape(batch, kv_heads, group, steps, dim)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, hidden]
+    o_proj: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class Llama(torch.nn.Module):
+    """A Llama decoder. Call it on token ids [batch, seq] to get logits [batch, seq, vocab]."""
+
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, rope_len: int | None = None):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return _aligned(state[name].to(dtype))
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LayerWeights(
+                attn_norm=w(p + "input_layernorm.weight"),
+                qkv=_aligned(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                o_proj=w(p + "self_attn.o_proj.weight"),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=_aligned(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                            w(p + "mlp.up_proj.weight")])),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        cos, sin = rope_tables(c, rope_len or c.max_position_embeddings)
+        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+        self.tokenizer = None  # set by the loader
+
+    # -- the forward pass -------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        c = self.config
+        batch, steps = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if start + steps > self.rope_cos.shape[0]:
+            raise ValueError(f"{start + steps} positions exceed the model's "
+                             f"{self.rope_cos.shape[0]}-position RoPE table")
+        cos = self.rope_cos[start:start + steps]
+        sin = self.rope_sin[start:start + steps]
+        x = F.embedding(input_ids, self.embed)
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            q, k, v = F.linear(h, layer.qkv).split([q_width, kv_width, kv_width], dim=-1)
+            # [B, T, heads*D] -> [B, kv_heads, group, T, D] for q; [B, kv_heads, T, D] for k, v
+            q = q.view(batch, steps, c.num_kv_heads, c.group_size, c.head_dim).permute(0, 2, 3, 1, 4)
+            k = k.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = v.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cache is not None:
+                cache.keys[index, :batch, :, start:start + steps] = k
+                cache.values[index, :batch, :, start:start + steps] = v
+                k = cache.keys[index, :batch, :, :start + steps]
+                v = cache.values[index, :batch, :, :start + steps]
+            attn = grouped_attention(q, k, v, start)  # [B, kv, group, T, D]
+            attn = attn.permute(0, 3, 1, 2, 4).reshape(batch, steps, q_width)
+            x = x + F.linear(attn, layer.o_proj)
+            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        if cache is not None:
+            cache.length = start + steps
+        if last_only:
+            x = x[:, -1:]
+        x = rms_norm(x, self.final_norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head)
+
+    # -- accounting -------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """Learned parameters, counting the tied embedding/LM head once."""
+        c = self.config
+        per_layer = sum(t.numel() for t in vars(self.layers[0]).values())
+        head = 0 if c.tie_word_embeddings else self.lm_head.numel()
+        return self.embed.numel() + head + self.final_norm.numel() + c.num_layers * per_layer
+
+    def new_cache(self, batch: int = 1, max_len: int = 2048) -> KVCache:
+        return KVCache.empty(self.config, batch, max_len, self.dtype)
+
+
+def _aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:
+    """Return a contiguous tensor whose data starts on a 64-byte boundary.
+
+    A weight loaded from a file can start at any byte offset; an unaligned weight made a
+    decode step about 30% slower on these machines, so we copy such tensors once.
+    """
+    t = t.contiguous()
+    if t.data_ptr() % alignment:
+        t = t.clone()
+    return t

@@ -1,0 +1,110 @@
+"""Engine v0 and the CLI: greedy output equals transformers' generate, token for token."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from labkit.engine.loop import generate
+from labkit.sampling import SamplingParams
+
+NEW_TOKENS = 24
+
+
+def _reference_greedy(reference, prompt_ids, n):
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)
+    ids = out[0, len(prompt_ids):].tolist()
+    return ids[:-1] if ids and ids[-1] == 2 else ids  # we report the stop token as a finish reason
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:5])
+def test_greedy_matches_transformers_generate(model, reference, prompt):
+    ours = generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    assert ours.token_ids == _reference_greedy(reference, ours.prompt_token_ids, NEW_TOKENS)
+    assert ours.text == model.tokenizer.decode(ours.token_ids)
+
+
+def test_chat_prompt_matches_transformers_generate(model, reference):
+    ours = generate(model, "Name three planets.", SamplingParams(temperature=0.0, max_tokens=40),
+                    chat=True)
+    assert ours.prompt_token_ids[:3] == model.tokenizer.encode("<|im_start|>system\n")
+    assert ours.token_ids == _reference_greedy(reference, ours.prompt_token_ids, 40)
+    assert ours.finish_reason == "stop"  # the model ends its answer with <|im_end|>
+
+
+def test_repeated_greedy_runs_are_identical(model):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    runs = {tuple(generate(model, PROMPTS[0], params).token_ids) for _ in range(3)}
+    assert len(runs) == 1
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
+    def run(seed):
+        return generate(model, PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=12,
+                                                          seed=seed)).token_ids
+    assert run(7) == run(7)
+    assert len({tuple(run(s)) for s in range(4)}) > 1
+
+
+def test_stop_string_spanning_tokens_cuts_the_text(model):
+    free = generate(model, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12))
+    stop = free.text[3:9]  # a stop string that starts inside one token and ends in another
+    cut = generate(model, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[:free.text.index(stop)]
+
+
+def test_streamed_pieces_concatenate_to_the_text(model):
+    pieces = []
+    result = generate(model, "Emoji: 🎉🚀 and 東京", SamplingParams(temperature=0.0, max_tokens=16),
+                      on_text=pieces.append)
+    assert "".join(pieces) == result.text
+    assert "\ufffd" not in "".join(pieces) or "\ufffd" in result.text
+
+
+def test_timings_cover_every_stage(model):
+    result = generate(model, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6))
+    t = result.timings
+    assert len(t.decode_steps) == len(result.token_ids) - 1
+    assert t.total >= t.tokenize + t.prefill + t.decode
+    assert all(x > 0 for x in [t.tokenize, t.prefill, *t.decode_steps])
+
+
+def test_empty_prompt_is_refused(model):
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, "", SamplingParams(temperature=0.0))
+
+
+def test_cli_json(model):
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "generate", PROMPTS[0], "--max-tokens", "5", "--json"],
+        capture_output=True, text=True, check=True)
+    record = json.loads(out.stdout)
+    expected = generate(model, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5))
+    assert record["prompt_token_ids"] == expected.prompt_token_ids
+    assert record["token_ids"] == expected.token_ids
+    assert record["text"] == expected.text
+    assert record["timings"]["prefill"] > 0
+
+
+def test_cli_rejects_bad_sampling_options():
+    out = subprocess.run([sys.executable, "-m", "labkit.cli", "generate", "hi", "--top-p", "0"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "top_p" in out.stderr
+
+
+def test_cli_model_info_accounts_for_every_byte():
+    out = subprocess.run([sys.executable, "-m", "labkit.cli", "model", "info", "--json"],
+                         capture_output=True, text=True, check=True)
+    info = json.loads(out.stdout)
+    g = info["gguf"]
+    parts = ["header_bytes", "tokenizer_bytes", "other_metadata_bytes", "tensor_info_bytes",
+             "alignment_padding_bytes", "tensor_bytes"]
+    assert sum(g[p] for p in parts) == g["file_bytes"] == 98_362_432
+    assert g["alignment_padding_bytes"] >= 0
+    assert info["parameters"] == g["parameters_stored"] == 134_515_008
