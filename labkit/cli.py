@@ -168,7 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `labkit book run --profile full 2`: chapters may follow the options.
+    if extra and args.command == "book" and not any(e.startswith("-") for e in extra):
+        args.chapters = list(args.chapters) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyError as exc:  # unknown model name

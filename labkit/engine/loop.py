@@ -28,6 +28,9 @@ class StageTimings:
     sample: float = 0.0
     detokenize: float = 0.0
     total: float = 0.0
+    # (stage, start, duration) in seconds from the request's start, in the order they ran:
+    # what a waterfall of one request draws.
+    events: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float:
@@ -37,8 +40,20 @@ class StageTimings:
     def decode(self) -> float:
         return sum(self.decode_steps)
 
+    def summary(self) -> list[dict]:
+        """One row per stage: how many times it ran, its total seconds, its share of the request."""
+        rows: dict[str, dict] = {}
+        for stage, _, took in self.events:
+            row = rows.setdefault(stage, {"stage": stage, "calls": 0, "seconds": 0.0})
+            row["calls"] += 1
+            row["seconds"] += took
+        for row in rows.values():
+            row["share"] = row["seconds"] / self.total if self.total else float("nan")
+        return list(rows.values())
+
     def to_dict(self) -> dict:
         out = asdict(self)
+        out["events"] = [list(e) for e in self.events]
         out["time_to_first_token"] = self.time_to_first_token
         out["decode"] = self.decode
         steps = len(self.decode_steps)
@@ -96,6 +111,12 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
     if not prompt_ids:
         raise ValueError("the prompt is empty: at least one token is needed to condition on")
     timings.tokenize = time.perf_counter() - start
+    timings.events.append(("tokenize", 0.0, timings.tokenize))
+
+    def record(stage: str, began: float) -> float:
+        took = time.perf_counter() - began
+        timings.events.append((stage, began - start, took))
+        return took
 
     max_len = len(prompt_ids) + params.max_tokens
     cache = model.new_cache(batch=1, max_len=max_len)
@@ -109,12 +130,12 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
 
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[0, -1]
-    timings.prefill = time.perf_counter() - t0
+    timings.prefill = record("prefill", t0)
 
     for step in range(params.max_tokens):
         t0 = time.perf_counter()
         token = sample(logits, params, seed=params.seed, step=step, seen_token_ids=seen)
-        timings.sample += time.perf_counter() - t0
+        timings.sample += record("sample", t0)
         if token in stop_ids:
             finish = "stop"
             break
@@ -126,7 +147,7 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
         before = len(text)
         text += piece
         cut = _stop_string_cut(text, params.stop, before) if params.stop else None
-        timings.detokenize += time.perf_counter() - t0
+        timings.detokenize += record("detokenize", t0)
         if cut is not None:
             piece = piece[: max(0, cut - before)]
             text = text[:cut]
@@ -138,13 +159,13 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
 
         t0 = time.perf_counter()
         logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
-        timings.decode_steps.append(time.perf_counter() - t0)
+        timings.decode_steps.append(record("decode", t0))
 
     if finish == "length":
         t0 = time.perf_counter()
         tail = detok.flush()
         text += tail
-        timings.detokenize += time.perf_counter() - t0
+        timings.detokenize += record("detokenize", t0)
         if on_text and tail:
             on_text(tail)
     timings.total = time.perf_counter() - start
