@@ -1,0 +1,1 @@
+"""Kernels: attention variants, quantizers and quantized matmul."""
