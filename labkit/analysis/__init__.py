@@ -1,0 +1,1 @@
+"""Analyses the chapters run on the models: where parameters, FLOPs and time go."""
