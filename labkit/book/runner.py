@@ -260,6 +260,10 @@ def sync_pair(md_path: str | Path) -> Path:
     if ipynb_path.is_file():
         outputs = strip_execution_metadata(read_notebook(ipynb_path))
         notebook = combine_inputs_with_outputs(source, outputs, fmt=MD_FORMAT)
+        # The .md is the source of cell metadata too (tags, figure captions): jupytext's
+        # combine can keep the .ipynb's stale copy, so take every cell's metadata from the .md.
+        for cell, src in zip(notebook.cells, source.cells):
+            cell.metadata = type(src.metadata)(src.metadata)
     else:
         notebook = source
     notebook.metadata.get("jupytext", {}).pop("text_representation", None)

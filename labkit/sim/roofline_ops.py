@@ -1,0 +1,283 @@
+"""A catalogue of real operations for testing the roofline, and a decode step as a list of ops.
+
+Each entry pairs a `labkit.sim.roofline.Op` (closed-form FLOPs and bytes) with a `make()`
+that allocates the inputs and returns a zero-argument callable running the operation on
+this machine (float32, CPU or `device`). Inputs are built lazily, so a catalogue of many
+ops holds only the tensors of the op being measured.
+
+Byte counts are the minimum traffic: every input read once and the output written once
+(what an ideal kernel with perfect caching would move). FLOP counts follow the usual
+conventions: a multiply-add is 2 FLOPs, elementwise ops count a few FLOPs per element.
+
+`decode_step_ops(config, batch, position)` writes one batched decode step of a Llama model
+(the forward pass in labkit/models/llama.py with a KV cache) as the list of ops it runs, so
+that the roofline can predict a step as a sum of per-op predictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from labkit.bench.timing import measure
+from labkit.sim.roofline import Machine, Op, bound, matmul_op, predict
+
+F32 = 4  # bytes per float32 element
+
+
+@dataclass(frozen=True)
+class CatalogueOp:
+    """An Op with a kind, the shape of its output, and a factory for a runnable callable."""
+
+    op: Op
+    kind: str
+    out_shape: tuple[int, ...]
+    make: Callable[[], Callable[[], torch.Tensor]]
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+
+def _rand(*shape: int, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, device=device)
+
+
+# -- single-op constructors -----------------------------------------------------------------
+def gemm(m: int, n: int, k: int, name: str = "", kind: str = "gemm",
+         device: str = "cpu") -> CatalogueOp:
+    """x [m, k] @ W^T with W [n, k] (F.linear, the layout of a model's weights)."""
+    def make():
+        x, w = _rand(m, k, device=device), _rand(n, k, device=device)
+        return lambda: F.linear(x, w)
+    return CatalogueOp(matmul_op(m, n, k, name=name or f"{kind} {m}x{k}x{n}"), kind, (m, n), make)
+
+
+def bmm(b: int, m: int, n: int, k: int, name: str = "", device: str = "cpu") -> CatalogueOp:
+    """b independent [m, k] @ [k, n] products (torch.bmm)."""
+    def make():
+        x, y = _rand(b, m, k, device=device), _rand(b, k, n, device=device)
+        return lambda: torch.bmm(x, y)
+    op = Op(name or f"bmm {b}x({m}x{k}x{n})", 2.0 * b * m * n * k,
+            float(F32 * b * (m * k + k * n + m * n)))
+    return CatalogueOp(op, "bmm", (b, m, n), make)
+
+
+_ELEMENTWISE = {
+    # name: (inputs read, FLOPs per element, function of the inputs)
+    "add": (2, 1.0, lambda a, b: a + b),
+    "mul": (2, 1.0, lambda a, b: a * b),
+    "silu": (1, 4.0, lambda a: F.silu(a)),
+    "silu*mul": (2, 5.0, lambda a, b: F.silu(a) * b),
+}
+
+
+def elementwise(fn: str, n: int, device: str = "cpu") -> CatalogueOp:
+    """An elementwise op over n float32 elements: add, mul, silu or silu*mul (SwiGLU)."""
+    reads, flops, f = _ELEMENTWISE[fn]
+
+    def make():
+        args = [_rand(n, device=device) for _ in range(reads)]
+        return lambda: f(*args)
+    op = Op(f"{fn} {n:,}", flops * n, float(F32 * n * (reads + 1)))
+    return CatalogueOp(op, "elementwise", (n,), make)
+
+
+def softmax(rows: int, cols: int, device: str = "cpu") -> CatalogueOp:
+    """Softmax over the last dim: max, subtract, exp, sum, divide ~ 5 FLOPs per element."""
+    def make():
+        x = _rand(rows, cols, device=device)
+        return lambda: torch.softmax(x, dim=-1)
+    op = Op(f"softmax {rows}x{cols}", 5.0 * rows * cols, float(F32 * 2 * rows * cols))
+    return CatalogueOp(op, "softmax", (rows, cols), make)
+
+
+def rmsnorm(rows: int, hidden: int, eps: float = 1e-5, device: str = "cpu") -> CatalogueOp:
+    """RMSNorm as the model computes it: square, mean, rsqrt, scale, weight ~ 4 FLOPs/element."""
+    from labkit.models.llama import rms_norm
+
+    def make():
+        x, w = _rand(rows, hidden, device=device), _rand(hidden, device=device)
+        return lambda: rms_norm(x, w, eps)
+    op = Op(f"rmsnorm {rows}x{hidden}", 4.0 * rows * hidden,
+            float(F32 * (2 * rows * hidden + hidden)))
+    return CatalogueOp(op, "rmsnorm", (rows, hidden), make)
+
+
+def gather(tokens: int, vocab: int, hidden: int, device: str = "cpu") -> CatalogueOp:
+    """Embedding lookup of `tokens` rows from a [vocab, hidden] table: no FLOPs, only bytes."""
+    def make():
+        table = _rand(vocab, hidden, device=device)
+        ids = torch.randint(0, vocab, (tokens,), device=device)
+        return lambda: F.embedding(ids, table)
+    op = Op(f"gather {tokens} of {vocab}x{hidden}", 0.0,
+            float(F32 * 2 * tokens * hidden + 8 * tokens))
+    return CatalogueOp(op, "gather", (tokens, hidden), make)
+
+
+def copy(n: int, device: str = "cpu") -> CatalogueOp:
+    """dst.copy_(src) of n float32 elements: read n, write n."""
+    def make():
+        src, dst = _rand(n, device=device), torch.empty(n, device=device)
+        return lambda: dst.copy_(src)
+    return CatalogueOp(Op(f"copy {n:,}", 0.0, float(F32 * 2 * n)), "copy", (n,), make)
+
+
+# -- the catalogue ----------------------------------------------------------------------------
+def smollm2_weight_shapes(hidden: int = 576, intermediate: int = 1536, heads: int = 9,
+                          kv_heads: int = 3, head_dim: int = 64,
+                          vocab: int = 49152) -> dict[str, tuple[int, int]]:
+    """(out, in) of SmolLM2-135M's matrices as labkit fuses them."""
+    return {
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_up": (2 * intermediate, hidden),
+        "down": (hidden, intermediate),
+        "lm_head": (vocab, hidden),
+    }
+
+
+def catalogue(size: str = "full", device: str = "cpu") -> list[CatalogueOp]:
+    """The ops the chapter measures: `size="full"` (>= 50 ops) or `"tiny"` (for tests)."""
+    if size == "tiny":
+        return [gemm(8, 12, 16, device=device), gemm(1, 24, 16, kind="gemv", device=device),
+                bmm(2, 4, 5, 6, device=device), elementwise("add", 32, device=device),
+                elementwise("silu*mul", 32, device=device), softmax(3, 7, device=device),
+                rmsnorm(3, 16, device=device), gather(5, 50, 8, device=device),
+                copy(64, device=device)]
+    if size != "full":
+        raise ValueError(f"size must be 'full' or 'tiny', not {size!r}")
+    ops: list[CatalogueOp] = []
+    for s in (64, 128, 256, 512, 768, 1024):
+        ops.append(gemm(s, s, s, device=device))
+    shapes = smollm2_weight_shapes()
+    for m in (32, 128):  # prefill-shaped GEMMs of the model's weights
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            n, k = shapes[name]
+            ops.append(gemm(m, n, k, name=f"{name} prefill {m}", device=device))
+    for m in (1, 8):  # decode-shaped: one or a few rows against each weight
+        for name, (n, k) in shapes.items():
+            ops.append(gemm(m, n, k, name=f"{name} decode b{m}",
+                            kind="gemv" if m == 1 else "gemm", device=device))
+    ops += [bmm(9, 1, 64, 64, name="attn q.K^T b1 s64", device=device),
+            bmm(9 * 16, 1, 512, 64, name="attn q.K^T b16 s512", device=device),
+            bmm(9, 128, 128, 64, name="attn Q.K^T prefill 128", device=device),
+            bmm(9, 512, 512, 64, name="attn Q.K^T prefill 512", device=device),
+            bmm(9, 512, 64, 512, name="attn P.V prefill 512", device=device),
+            bmm(64, 64, 64, 64, device=device)]
+    for n in (1_000, 100_000, 1_000_000, 4_000_000):
+        for fn in ("add", "mul", "silu"):
+            ops.append(elementwise(fn, n, device=device))
+    ops += [elementwise("silu*mul", n, device=device) for n in (1536, 196_608, 1_572_864)]
+    ops += [softmax(9, 64, device=device), softmax(9 * 128, 128, device=device),
+            softmax(9 * 512, 512, device=device)]
+    ops += [rmsnorm(1, 576, device=device), rmsnorm(128, 576, device=device),
+            rmsnorm(2048, 576, device=device)]
+    ops += [gather(1, 49152, 576, device=device), gather(128, 49152, 576, device=device),
+            gather(2048, 49152, 576, device=device)]
+    ops += [copy(n, device=device) for n in (1_000, 100_000, 1_000_000, 8_000_000)]
+    return ops
+
+
+def measure_catalogue(ops: list[CatalogueOp], machine: Machine, *, repeats: int = 5,
+                      warmup: int = 1, max_bytes: float | None = None,
+                      max_flops: float | None = None) -> list[dict]:
+    """Measure each op (skipping those above `max_bytes` / `max_flops`) and predict it.
+
+    Returns one row per op: name, kind, flops, bytes, intensity, predicted_s, measured_s,
+    spread, ratio (measured / predicted) and the bound the model names.
+    """
+    rows = []
+    for entry in ops:
+        op = entry.op
+        if (max_bytes is not None and op.bytes > max_bytes) or (
+                max_flops is not None and op.flops > max_flops):
+            continue
+        fn = entry.make()
+        timing = measure(fn, name=op.name, repeats=repeats, warmup=warmup)
+        del fn
+        predicted = predict(op, machine)
+        rows.append({"name": op.name, "kind": entry.kind, "flops": op.flops, "bytes": op.bytes,
+                     "intensity": op.intensity, "predicted_s": predicted,
+                     "measured_s": timing.median, "spread": timing.spread,
+                     "ratio": timing.median / predicted, "bound": bound(op, machine)})
+    return rows
+
+
+# -- a batched decode step as ops ---------------------------------------------------------------
+def decode_step_ops(config, batch: int, position: int) -> list[Op]:
+    """The ops of one decode step for `batch` sequences at cache position `position`.
+
+    Follows labkit.models.llama.Llama.forward with a KV cache and last_only=True: embedding
+    gather, then per layer RMSNorm, fused QKV linear, RoPE on q and k, the cache write,
+    scores q.K^T over position+1 keys, softmax, P.V, output projection, residual add,
+    RMSNorm, fused gate/up linear, SiLU*up, down projection, residual add; then final norm
+    and the LM head. Weights are read once per step whatever the batch.
+    """
+    c = config
+    B, S, D = batch, position + 1, c.head_dim
+    H, KV, hidden = c.num_heads, c.num_kv_heads, c.hidden_size
+    inter = c.intermediate_size
+    qkv_out = (H + 2 * KV) * D
+    ops = [Op("embedding", 0.0, float(F32 * 2 * B * hidden + 8 * B))]
+    for i in range(c.num_layers):
+        ops += [
+            Op(f"L{i} rmsnorm", 4.0 * B * hidden, float(F32 * (2 * B * hidden + hidden))),
+            matmul_op(B, qkv_out, hidden, name=f"L{i} qkv"),
+            Op(f"L{i} rope", 6.0 * B * (H + KV) * D, float(F32 * 2 * B * (H + KV) * D)),
+            Op(f"L{i} cache write", 0.0, float(F32 * 2 * 2 * B * KV * D)),
+            Op(f"L{i} q.K^T", 2.0 * B * H * S * D, float(F32 * (B * H * D + B * KV * S * D + B * H * S))),
+            Op(f"L{i} softmax", 5.0 * B * H * S, float(F32 * 2 * B * H * S)),
+            Op(f"L{i} P.V", 2.0 * B * H * S * D, float(F32 * (B * H * S + B * KV * S * D + B * H * D))),
+            matmul_op(B, hidden, H * D, name=f"L{i} o_proj"),
+            Op(f"L{i} residual", 1.0 * B * hidden, float(F32 * 3 * B * hidden)),
+            Op(f"L{i} rmsnorm 2", 4.0 * B * hidden, float(F32 * (2 * B * hidden + hidden))),
+            matmul_op(B, 2 * inter, hidden, name=f"L{i} gate_up"),
+            Op(f"L{i} silu*up", 5.0 * B * inter, float(F32 * 3 * B * inter)),
+            matmul_op(B, hidden, inter, name=f"L{i} down"),
+            Op(f"L{i} residual 2", 1.0 * B * hidden, float(F32 * 3 * B * hidden)),
+        ]
+    ops += [Op("final rmsnorm", 4.0 * B * hidden, float(F32 * (2 * B * hidden + hidden))),
+            matmul_op(B, c.vocab_size, hidden, name="lm_head")]
+    return ops
+
+
+def predict_decode_step(config, batch: int, position: int, machine: Machine) -> dict:
+    """Roofline predictions of one decode step, three ways.
+
+    - ``per_op_s``: the sum of per-op predictions (each op pays the overhead);
+    - ``whole_step_s``: the step as one op (all FLOPs, all bytes, one overhead);
+    - ``compute_s`` / ``memory_s`` / ``overhead_s``: the parts, for explanation.
+    """
+    ops = decode_step_ops(config, batch, position)
+    flops, nbytes = sum(o.flops for o in ops), sum(o.bytes for o in ops)
+    return {"batch": batch, "ops": len(ops), "flops": flops, "bytes": nbytes,
+            "per_op_s": sum(predict(o, machine) for o in ops),
+            "whole_step_s": predict(Op("decode step", flops, nbytes), machine),
+            "compute_s": flops / machine.peak_flops, "memory_s": nbytes / machine.bandwidth,
+            "overhead_s": len(ops) * machine.overhead,
+            "bound": bound(Op("decode step", flops, nbytes), machine)}
+
+
+def decode_step_timer(model, batch: int, prompt_ids: list[int]) -> Callable[[], torch.Tensor]:
+    """A callable that runs one decode step for `batch` sequences at a fixed position.
+
+    Prefills `prompt_ids` once (batch 1), copies that cache into every row of a batch-B
+    cache, and returns a function that rewinds the cache to the prompt length and runs
+    model(ids[B, 1], cache, last_only=True): each call is the same step at the same position.
+    """
+    P = len(prompt_ids)
+    single = model.new_cache(1, P + 1)
+    model(torch.tensor([prompt_ids]), cache=single, last_only=True)
+    cache = model.new_cache(batch, P + 1)
+    cache.keys[:, :, :, :P] = single.keys[:, :, :, :P]
+    cache.values[:, :, :, :P] = single.values[:, :, :, :P]
+    ids = torch.full((batch, 1), prompt_ids[-1], dtype=torch.long)
+
+    def step() -> torch.Tensor:
+        cache.length = P
+        return model(ids, cache=cache, last_only=True)
+    return step
