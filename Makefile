@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 PROFILE ?= full
 
-.PHONY: env model book reproduce test test-unit test-notebooks serve clean freeze
+.PHONY: env model book reproduce test test-unit test-notebooks clean freeze
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,15 +36,14 @@ reproduce: model
 	$(BIN)/labkit book run --profile $(PROFILE)
 	$(BIN)/labkit book build
 
-test: model
-	$(BIN)/python -m pytest -q tests
-	$(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+test: test-unit test-notebooks
 
 test-unit: model
 	$(BIN)/python -m pytest -q tests
 
-serve: model
-	$(BIN)/labkit serve
+# Every chapter's checked cells, ci profile; the flag keeps live-only widgets out.
+test-notebooks: model
+	LABKIT_HEADLESS=1 $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks
 
 # Rewrite the constraints file from the current environment (after a deliberate upgrade).
 freeze: env

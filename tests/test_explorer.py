@@ -73,10 +73,28 @@ def test_static_plots_draw():
     plt.close(fig)
 
 
-def test_running_headless_under_pytest():
-    from labkit.book.explorer import running_headless
-    assert running_headless()  # the test runner is our parent's command line
-    assert not running_headless(markers=("no-such-program-name",))
+def test_headless_flag_decides_when_set(monkeypatch):
+    from labkit.book.explorer import HEADLESS_ENV, running_headless
+    monkeypatch.setenv(HEADLESS_ENV, "1")
+    assert running_headless(markers=("no-such-program-name",))
+    monkeypatch.setenv(HEADLESS_ENV, "0")
+    assert not running_headless()
+
+
+def test_headless_falls_back_to_the_parent_command_line(monkeypatch):
+    import os
+
+    from labkit.book import explorer
+    monkeypatch.delenv(explorer.HEADLESS_ENV, raising=False)
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        argv0 = os.path.basename(f.read().split(b"\0")[0].decode())
+    assert explorer.parent_command_line().split(" ")[0].endswith(argv0)
+    assert explorer.running_headless(markers=(argv0,))
+    assert not explorer.running_headless(markers=("no-such-program-name",))
+    monkeypatch.setattr(explorer, "parent_command_line", lambda: "/usr/bin/python -m papermill x")
+    assert explorer.running_headless()
+    monkeypatch.setattr(explorer, "parent_command_line", lambda: "/usr/bin/python -m jupyter lab")
+    assert not explorer.running_headless()
 
 
 def test_kind_colors_are_distinct_and_stable():

@@ -211,20 +211,36 @@ def plot_predicted_vs_measured(ax, table) -> None:
     ax.legend(fontsize=7, ncol=2)
 
 
+HEADLESS_ENV = "LABKIT_HEADLESS"
+
+
 def running_headless(markers: tuple[str, ...] = ("papermill", "labkit", "pytest", "nbclient",
                                                  "jupyter-nbconvert", "jupyter-book")) -> bool:
     """True when this kernel was started by a batch executor rather than a live frontend.
 
     The book's runner (papermill) saves the state of any ipywidget it sees into the
     notebook, and myst-nb then loads the widget manager from a CDN on the page. The
-    chapter therefore builds its widgets only in a live Jupyter or Colab session. We look
-    at the command line of the kernel's parent process (Linux /proc; False elsewhere).
+    chapter therefore builds its widgets only in a live Jupyter or Colab session.
+    `LABKIT_HEADLESS=1|0` decides when set (the book runner and `make test` set it);
+    otherwise we look at the command line of the kernel's parent process (Linux /proc;
+    False elsewhere).
     """
+    import os
+
+    flag = os.environ.get(HEADLESS_ENV, "").strip().lower()
+    if flag in ("1", "true", "yes"):
+        return True
+    if flag in ("0", "false", "no"):
+        return False
+    return any(m in parent_command_line() for m in markers)
+
+
+def parent_command_line() -> str:
+    """The parent process's command line, '' where /proc is not available."""
     import os
 
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return False
-    return any(m in cmdline for m in markers)
+        return ""

@@ -19,6 +19,7 @@ cell generated from ``_config.yml`` (see :func:`labkit.book.profile.install_cell
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -347,6 +348,8 @@ def _execute(md_path: Path, profile: str, timeout: float | None, kernel: str, ro
         out_path = Path(tmp) / ipynb_path.name
         error = None
         try:
+            # The kernel inherits this: chapters skip live-only widgets (labkit.book.explorer).
+            os.environ["LABKIT_HEADLESS"] = "1"
             papermill.execute_notebook(
                 str(ipynb_path), str(out_path),
                 parameters={"profile": profile},
