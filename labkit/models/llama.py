@@ -43,6 +43,29 @@ class KVCache:
         per_position = self.keys[:, :, :, :1].nbytes + self.values[:, :, :, :1].nbytes
         return per_position * (self.length if positions is None else positions)
 
+    # -- what the forward pass asks of a cache (the paged cache of labkit.engine answers
+    #    the same three questions) ------------------------------------------------------
+    def positions(self, steps: int, limit: int) -> torch.Tensor:
+        """Positions of the `steps` new tokens: they follow the cached ones (all < limit)."""
+        check_positions(self.length + steps, limit)
+        return torch.arange(self.length, self.length + steps)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the new keys and values of `layer`, then attend over everything cached."""
+        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
+        self.keys[layer, :batch, :, start:end] = k
+        self.values[layer, :batch, :, start:end] = v
+        return grouped_attention(q, self.keys[layer, :batch, :, :end],
+                                 self.values[layer, :batch, :, :end], start)
+
+    def advance(self, steps: int) -> None:
+        self.length += steps
+
+
+def check_positions(end: int, limit: int) -> None:
+    if end > limit:
+        raise ValueError(f"{end} positions exceed the model's {limit}-position RoPE table")
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 whatever the activation dtype, as the reference does.
@@ -86,6 +109,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("decode query must be the last cached position")
     out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask)
     return out.reshape(batch, kv_heads, group, steps, dim)
+
+
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x W^T for a weight tensor, or the weight's own kernel when it is a module (the
+    quantized layers of labkit.models.quantized plug in here)."""
+    return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
 
 @dataclass
@@ -133,42 +162,47 @@ class Llama(torch.nn.Module):
     # -- the forward pass -------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+        # Logits [batch, seq, vocab] for token ids [batch, seq]. `cache` holds the earlier
+        # tokens' keys and values (KVCache, or labkit.engine's paged cache): it gives the new
+        # tokens' positions and does their attention. last_only / rows: logits for the last
+        # position only / for these positions only.
         c = self.config
         batch, steps = input_ids.shape
-        start = cache.length if cache is not None else 0
-        if start + steps > self.rope_cos.shape[0]:
-            raise ValueError(f"{start + steps} positions exceed the model's "
-                             f"{self.rope_cos.shape[0]}-position RoPE table")
-        cos = self.rope_cos[start:start + steps]
-        sin = self.rope_sin[start:start + steps]
+        limit = self.rope_cos.shape[0]
+        if cache is not None:
+            positions = cache.positions(steps, limit)
+        else:
+            check_positions(steps, limit)
+            positions = torch.arange(steps)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = F.embedding(input_ids, self.embed)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = F.linear(h, layer.qkv).split([q_width, kv_width, kv_width], dim=-1)
+            q, k, v = linear(h, layer.qkv).split([q_width, kv_width, kv_width], dim=-1)
             # [B, T, heads*D] -> [B, kv_heads, group, T, D] for q; [B, kv_heads, T, D] for k, v
             q = q.view(batch, steps, c.num_kv_heads, c.group_size, c.head_dim).permute(0, 2, 3, 1, 4)
             k = k.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
             v = v.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if cache is not None:
-                cache.keys[index, :batch, :, start:start + steps] = k
-                cache.values[index, :batch, :, start:start + steps] = v
-                k = cache.keys[index, :batch, :, :start + steps]
-                v = cache.values[index, :batch, :, :start + steps]
-            attn = grouped_attention(q, k, v, start)  # [B, kv, group, T, D]
+                attn = cache.attend(index, q, k, v)
+            else:
+                attn = grouped_attention(q, k, v, 0)  # [B, kv, group, T, D]
             attn = attn.permute(0, 3, 1, 2, 4).reshape(batch, steps, q_width)
-            x = x + F.linear(attn, layer.o_proj)
+            x = x + linear(attn, layer.o_proj)
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         if cache is not None:
-            cache.length = start + steps
+            cache.advance(steps)
         if last_only:
             x = x[:, -1:]
+        elif rows is not None:
+            x = x[:, rows]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head)
+        return linear(x, self.lm_head)
 
     # -- accounting -------------------------------------------------------------------
     def num_parameters(self) -> int:
