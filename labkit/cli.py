@@ -133,6 +133,20 @@ def _cmd_book(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from labkit.bench.suite import run_bench
+
+    try:
+        figures = run_bench(args.figures or None, quick=args.quick, out=args.out,
+                            model_name=args.model, threads=args.threads)
+    except ValueError as exc:
+        print(f"labkit: {exc}", file=sys.stderr)
+        return 2
+    missed = [f for f in figures if not f.passed]
+    print(f"{len(figures) - len(missed)}/{len(figures)} figures meet their targets; records in {args.out}/")
+    return 1 if args.check and missed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     book.add_argument("chapters", nargs="*")
     book.add_argument("--profile", choices=["ci", "full"], default="full")
     book.set_defaults(func=_cmd_book)
+
+    bench = sub.add_parser("bench", help="benchmark the serving engine against its baselines")
+    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix (default: all)")
+    bench.add_argument("--quick", action="store_true", help="small sizes: checks the plumbing only")
+    bench.add_argument("--out", default="results/bench", help="folder for summary.json and the records")
+    bench.add_argument("--model", default="smollm2-135m")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--check", action="store_true", help="exit 1 if a figure misses its target")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -27,3 +27,41 @@ def reference():
     from labkit.models.reference import load_reference
 
     return load_reference("smollm2-135m")
+
+
+def make_tiny_llama(seed: int = 0, vocab: int = 97, hidden: int = 32, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, max_len: int = 512):
+    """A randomly initialised Llama small enough for property tests (no tokenizer)."""
+    import torch
+
+    from labkit.models.gguf_file import LlamaConfig
+    from labkit.models.llama import Llama
+
+    head_dim = hidden // heads
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                         rope_theta=10_000.0, rms_norm_eps=1e-5, max_position_embeddings=max_len)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.3):
+        return torch.randn(*shape, generator=gen) * scale
+
+    state = {"model.embed_tokens.weight": rand(vocab, hidden, scale=1.0),
+             "model.norm.weight": 1 + rand(hidden, scale=0.1)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = 1 + rand(hidden, scale=0.1)
+        state[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, scale=0.1)
+        state[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        state[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        state[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        state[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        state[p + "mlp.gate_proj.weight"] = rand(2 * hidden, hidden)
+        state[p + "mlp.up_proj.weight"] = rand(2 * hidden, hidden)
+        state[p + "mlp.down_proj.weight"] = rand(hidden, 2 * hidden)
+    return Llama(config, state)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_llama()

@@ -319,3 +319,11 @@ def test_run_and_build_fixture_book(tmp_path, monkeypatch):
     assert "NOT_RUN (no CUDA device)" in html and ">385<" in html
     assert "%pip install" not in html  # the install cell is removed from the page
     assert "Figure 1" in html
+    # Every script the page loads is served by the built site: MathJax included, no CDN.
+    sources = re.findall(r'<script[^>]*\bsrc="([^"]+)"', html)
+    assert any("_static/mathjax/tex-chtml-full.js" in s for s in sources), sources
+    assert not [s for s in sources if s.startswith(("http:", "https:", "//"))], sources
+    styles = [t for t in re.findall(r"<link[^>]*>", html) if "stylesheet" in t]
+    assert styles and not [t for t in styles if re.search(r'href="(https?:)?//', t)], styles
+    assert (root / "_build" / "html" / "_static" / "mathjax" / "output" / "chtml" / "fonts"
+            / "woff-v2" / "MathJax_Main-Regular.woff").is_file()

@@ -1,0 +1,216 @@
+"""`labkit bench`: the serving engine's figures, each a ratio against a baseline run in the
+same process, with every request's record written beside the summary.
+
+    decode    single-stream greedy tokens/s: our engine vs transformers generate
+    batch     32 requests: continuous batching vs transformers static batches of 8 and
+              vs our engine one request at a time; every request's tokens vs its solo run
+    ttft      median time to first token at half of capacity: continuous vs static batching
+    paging    concurrent sequences at an equal KV budget: paged vs contiguous reservation
+    prefix    time to first token of a follow-up after a cached prefix vs the same prompt cold
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from labkit.bench.serving import RunResult, greedy_params, run_engine, run_hf_static
+from labkit.bench.workloads import Workload, chat_lengths, poisson_arrivals, text_prompts
+from labkit.engine.llm_engine import EngineConfig, LLMEngine
+from labkit.engine.scheduler import SchedulerConfig
+
+FIGURES = ("decode", "batch", "ttft", "paging", "prefix")
+
+
+@dataclass
+class Figure:
+    name: str
+    what: str
+    value: float
+    baseline: float
+    unit: str
+    ratio: float
+    target: str            # e.g. ">= 2" or "<= 0.2"
+    passed: bool
+    details: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        mark = "ok  " if self.passed else "MISS"
+        return (f"[{mark}] {self.name:7s} {self.what}: {self.value:.4g} vs {self.baseline:.4g} {self.unit}"
+                f" -> ratio {self.ratio:.2f} (target {self.target})")
+
+
+def _meets(ratio: float, target: str) -> bool:
+    op, bound = target.split()
+    return ratio >= float(bound) if op == ">=" else ratio <= float(bound)
+
+
+def figure(name, what, value, baseline, unit, ratio, target, **details) -> Figure:
+    return Figure(name, what, value, baseline, unit, ratio, target, _meets(ratio, target), details)
+
+
+@dataclass
+class Bench:
+    model: object
+    text_ids: list[int]              # token ids of the evaluation text, the prompt source
+    reference: object | None = None  # transformers model with the same weights
+    quick: bool = False              # small sizes: checks the plumbing, not the claims
+    runs: dict[str, RunResult] = field(default_factory=dict)
+
+    def size(self, full, quick):
+        return quick if self.quick else full
+
+    # -- decode -----------------------------------------------------------------------------
+    def decode(self) -> Figure:
+        tokens, rounds = self.size(128, 8), self.size(3, 1)
+        prompt = self.text_ids[:16]
+        engine = LLMEngine(self.model, EngineConfig(kv_cache_tokens=1024))
+        ours, theirs = [], []
+        for _ in range(rounds + 1):  # the first round warms both up and is dropped
+            start = time.perf_counter()
+            out = engine.generate([prompt], greedy_params(tokens))[0]
+            ours.append(time.perf_counter() - start)
+            assert len(out.token_ids) == tokens
+            if self.reference is not None:
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    self.reference.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens,
+                                            do_sample=False, pad_token_id=0)
+                theirs.append(time.perf_counter() - start)
+        ours_tps = tokens / statistics.median(ours[1:])
+        base_tps = tokens / statistics.median(theirs[1:]) if theirs else float("nan")
+        return figure("decode", "single-stream greedy decode, ours vs transformers generate", ours_tps,
+                      base_tps, "tokens/s", ours_tps / base_tps, ">= 2", prompt_tokens=len(prompt),
+                      output_tokens=tokens, rounds=rounds, ours_s=ours, transformers_s=theirs)
+
+    # -- batch --------------------------------------------------------------------------------
+    def batch_workload(self) -> Workload:
+        count, out = self.size(32, 6), self.size(64, 8)
+        return Workload(text_prompts(self.text_ids, count, 16, self.size(256, 48), seed=1), [out] * count)
+
+    def continuous_config(self, **sched) -> EngineConfig:
+        settings = {"max_num_seqs": 64, "max_batched_tokens": 512, **sched}
+        return EngineConfig(kv_cache_tokens=16_384, scheduler=SchedulerConfig(**settings))
+
+    def batch(self) -> list[Figure]:
+        work = self.batch_workload()
+        cont = self.runs["continuous"] = run_engine(self.model, work, self.continuous_config(), "continuous batching")
+        serial = self.runs["serial"] = run_engine(self.model, work, self.continuous_config(max_num_seqs=1),
+                                                  "our engine, one request at a time")
+        same = sum(a.token_ids == b.token_ids for a, b in zip(cont.records, serial.records))
+        figures = []
+        if self.reference is not None:
+            hf = self.runs["hf_static"] = run_hf_static(self.reference, work, batch_size=8)
+            figures.append(figure("batch", "32 requests, continuous batching vs transformers static batches of 8",
+                                  cont.tokens_per_s, hf.tokens_per_s, "output tokens/s",
+                                  cont.tokens_per_s / hf.tokens_per_s, ">= 3", workload=work.describe()))
+        figures.append(figure("batch", "32 requests, continuous batching vs our engine one request at a time",
+                              cont.tokens_per_s, serial.tokens_per_s, "output tokens/s",
+                              cont.tokens_per_s / serial.tokens_per_s, ">= 5", workload=work.describe()))
+        figures.append(figure("batch", "requests whose tokens equal their solo run", same, len(work),
+                              "requests", same / len(work), ">= 1", workload=work.describe()))
+        return figures
+
+    # -- ttft ---------------------------------------------------------------------------------
+    def ttft(self) -> Figure:
+        if "continuous" not in self.runs:
+            self.batch()
+        base = self.batch_workload()
+        capacity = len(base) / self.runs["continuous"].wall_s  # requests/s with all of them queued
+        rate = capacity / 2
+        work = Workload(base.prompts, base.max_tokens, poisson_arrivals(len(base), rate, seed=2))
+        cont = self.runs["ttft_continuous"] = run_engine(self.model, work, self.continuous_config(),
+                                                         "continuous batching, Poisson arrivals")
+        static = self.runs["ttft_static"] = run_engine(
+            self.model, work, self.continuous_config(batching="static", static_batch_size=8, chunked_prefill=False),
+            "static batches of 8, Poisson arrivals")
+        c50, s50 = cont.ttft_quantile(0.5), static.ttft_quantile(0.5)
+        return figure("ttft", "median time to first token at half of capacity, continuous vs static", c50, s50, "s",
+                      c50 / s50, "<= 0.2", capacity_rps=capacity, offered_rps=rate, workload=work.describe(),
+                      p99_continuous_s=cont.ttft_quantile(0.99), p99_static_s=static.ttft_quantile(0.99))
+
+    # -- paging -------------------------------------------------------------------------------
+    def paging(self) -> Figure:
+        count, budget, context = self.size(48, 24), self.size(8192, 512), self.size(1024, 128)
+        lengths = chat_lengths(count, seed=3, cap=context,
+                               prompt_median=self.size(160, 24), output_median=self.size(120, 16))
+        prompts = [text_prompts(self.text_ids, 1, p, p, seed=300 + i)[0] for i, (p, _) in enumerate(lengths)]
+        work = Workload(prompts, [o for _, o in lengths])
+
+        def run(reserve):
+            cfg = EngineConfig(kv_cache_tokens=budget, max_model_len=context, prefix_caching=False,
+                               scheduler=SchedulerConfig(max_num_seqs=256, max_batched_tokens=512,
+                                                         reserve_tokens=reserve))
+            return run_engine(self.model, work, cfg, f"reserve {reserve}" if reserve else "paged")
+
+        paged = self.runs["paging_paged"] = run(None)
+        reserved = self.runs["paging_reserved"] = run(context)
+
+        def saturated_mean(r: RunResult) -> float:
+            # While requests are still waiting after a step, the KV budget alone limits how
+            # many sequences run: that is what each scheme can hold.
+            held = [n for n, w in zip(r.running_per_step, r.waiting_per_step) if w > 0]
+            return statistics.mean(held) if held else max(r.running_per_step)  # never full: all of them
+
+        p, c = saturated_mean(paged), saturated_mean(reserved)
+        return figure("paging", "concurrent sequences at an equal KV budget, paged vs contiguous reservation",
+                      p, c, "sequences", p / c, ">= 2.5", kv_budget_tokens=budget, reserved_per_sequence=context,
+                      block_size=16, workload=work.describe(), preemptions_paged=paged.stats["preemptions"])
+
+    # -- prefix -------------------------------------------------------------------------------
+    def prefix(self) -> Figure:
+        trials, prefix_len, follow = self.size(5, 2), self.size(512, 64), 32
+        engine = LLMEngine(self.model, EngineConfig(kv_cache_tokens=8192))
+        one = greedy_params(1)
+        cold, warm = [], []
+        starts = text_prompts(self.text_ids, trials, prefix_len + 2 * follow, prefix_len + 2 * follow, seed=4)
+        for ids in starts:
+            shared, first, second = ids[:prefix_len], ids[prefix_len:prefix_len + follow], ids[prefix_len + follow:]
+            for prompt, sink in ((shared + first, cold), (shared + second, warm)):
+                t0 = time.perf_counter()
+                engine.generate([prompt], one)
+                sink.append(time.perf_counter() - t0)
+        c, w = statistics.median(cold), statistics.median(warm)
+        return figure("prefix", f"time to first token, {follow}-token follow-up after a cached {prefix_len}-token "
+                      "prefix vs the same length cold", w, c, "s", w / c, "<= 0.3", trials=trials, cold_s=cold,
+                      warm_s=warm, prefix_hits=engine.stats().prefix_hits)
+
+
+def run_bench(figures: list[str] | None = None, *, quick: bool = False, out: str | Path = "results/bench",
+              model_name: str = "smollm2-135m", threads: int | None = None) -> list[Figure]:
+    import labkit
+    from labkit.bench.environment import capture
+    from labkit.bench.timing import num_threads
+    from labkit.eval import eval_text
+    from labkit.models.reference import load_reference
+
+    figures = list(figures or FIGURES)
+    unknown = set(figures) - set(FIGURES)
+    if unknown:
+        raise ValueError(f"unknown figure(s) {sorted(unknown)}: choose from {FIGURES}")
+    model = labkit.load_model(model_name)
+    needs_reference = {"decode", "batch"} & set(figures)
+    bench = Bench(model, model.tokenizer.encode(eval_text()),
+                  load_reference(model_name) if needs_reference else None, quick)
+    results: list[Figure] = []
+    with num_threads(threads):
+        for name in figures:
+            got = getattr(bench, name)()
+            for f in got if isinstance(got, list) else [got]:
+                print(f.line(), flush=True)
+                results.append(f)
+        used_threads = torch.get_num_threads()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"figures": [asdict(f) for f in results], "quick": quick, "threads": used_threads,
+               "model": model_name, "dtype": str(model.dtype), "environment": capture(model_name),
+               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    for key, run in bench.runs.items():
+        (out / f"{key}.json").write_text(json.dumps(run.to_dict(), default=str))
+    return results

@@ -1,0 +1,334 @@
+"""LLMEngine: requests in, token events out.
+
+    add_request -> Scheduler.schedule -> ModelRunner (forward + sample) -> postprocess -> events
+
+`step()` runs one iteration of that pipeline for every scheduled sequence at once and
+returns what happened: one `TokenEvent` per new token or finished sample. `generate`
+drives steps until a set of requests is done; `stream` yields one request's events as
+they happen and aborts the request if the consumer stops listening.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence as Seq
+
+import torch
+
+from labkit.engine.block_manager import BlockManager
+from labkit.engine.loop import _stop_string_cut
+from labkit.engine.paged_cache import KVPool
+from labkit.engine.runner import ModelRunner
+from labkit.engine.scheduler import Scheduler, SchedulerConfig
+from labkit.engine.sequence import Sequence, Status
+from labkit.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_tokens: int = 32_768      # size of the KV pool, in token slots
+    max_model_len: int | None = None   # prompt + output limit; None: the model's RoPE table
+    prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    index: int                  # which of the request's n samples
+    token_id: int | None        # None when a sample finishes without a new token
+    text: str                   # text that became final with this token
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    time: float = 0.0
+
+
+@dataclass
+class SampleOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleOutput]
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    cached_prompt_tokens: int
+    preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+
+@dataclass
+class EngineStats:
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    waiting: int
+    running: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    copies_on_write: int
+    evictions: int
+    steps: int
+    tokens_computed: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    detoks: dict[int, object] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return len(self.seqs) == self.n and all(s.status.done for s in self.seqs) or (
+            bool(self.seqs) and self.seqs[0].status is Status.ABORTED)
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.model, self.config, self.clock = model, config or EngineConfig(), clock
+        c = self.config
+        if c.num_blocks < 1:
+            raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
+        rope_len = model.rope_cos.shape[0]
+        self.max_model_len = min(c.max_model_len or rope_len, rope_len)
+        self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
+        self.pool = KVPool(model.config, c.num_blocks, c.block_size, model.dtype)
+        self.transitions: list[tuple[float, str, int, str, str]] = []
+        self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
+        self.runner = ModelRunner(model, self.pool)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self.steps = self.tokens_computed = 0
+        tok = model.tokenizer
+        self._eos = tok.eos_token_id if tok is not None else None
+
+    # -- requests in ------------------------------------------------------------------------
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, n: int = 1, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; return its id. Raises ValueError (and changes nothing) for an
+        empty or out-of-vocabulary prompt, a duplicate id, n < 1, or a request that can
+        never fit the model's context or the KV pool."""
+        params = params or SamplingParams(temperature=0.0)
+        ids = self._prompt_ids(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        if -(-total // self.config.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"{total} tokens need more KV blocks than the pool's {self.blocks.num_blocks}")
+        now = self.clock() if arrival_time is None else arrival_time
+        request = _Request(request_id, ids, params, n, now)
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, cache_salt=cache_salt, arrival_time=now)
+        request.seqs.append(seq)
+        request.detoks[0] = self._detokenizer()
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        self._record_transition(seq, None, Status.WAITING)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.model.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            ids = self.model.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed to condition on")
+        return ids
+
+    def _detokenizer(self):
+        from labkit.tokenizer import IncrementalDetokenizer
+
+        tok = self.model.tokenizer
+        return IncrementalDetokenizer(tok) if tok is not None else None
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request: its samples stop and give back their blocks. False if there
+        is no such unfinished request."""
+        request = self.requests.get(request_id)
+        if request is None or request.done:
+            return False
+        for seq in request.seqs:
+            if not seq.status.done:
+                seq.finish_reason, seq.finish_time = "abort", self.clock()
+                self.scheduler.finish(seq, Status.ABORTED)
+        return True
+
+    def _record_transition(self, seq: Sequence, old: Status | None, new: Status) -> None:
+        self.transitions.append((self.clock(), seq.request_id, seq.sample_index,
+                                 old.value if old else "new", new.value))
+
+    # -- one step -----------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[TokenEvent]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        seqs, logits = self.runner.logits(plan)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_full_blocks(item.seq)
+        self.steps += 1
+        self.tokens_computed += plan.num_tokens
+        seqs, logits = self._fork_samples(seqs, logits)
+        tokens = self.runner.sample(seqs, logits)
+        now = self.clock()
+        return [event for seq, token in zip(seqs, tokens) for event in self._append(seq, token, now)]
+
+    def _fork_samples(self, seqs: list[Sequence], logits: torch.Tensor):
+        """A request with n > 1 prefills its prompt once; when the first sample's prompt is
+        computed, the other samples are forked from it and share its blocks."""
+        out_seqs, rows = [], []
+        for row, seq in enumerate(seqs):
+            out_seqs.append(seq)
+            rows.append(row)
+            request = self.requests[seq.request_id]
+            if len(request.seqs) < request.n and seq.sample_index == 0 and not seq.output_token_ids:
+                for index in range(1, request.n):
+                    child = Sequence(next(self._seq_ids), seq.request_id, seq.prompt_token_ids,
+                                     seq.params, sample_index=index, cache_salt=seq.cache_salt,
+                                     arrival_time=seq.arrival_time)
+                    self.blocks.fork(seq, child)
+                    request.seqs.append(child)
+                    request.detoks[index] = self._detokenizer()
+                    self._record_transition(child, None, Status.WAITING)
+                    self.scheduler.add_running(child)
+                    out_seqs.append(child)
+                    rows.append(row)
+        if len(rows) != len(seqs):
+            logits = logits[torch.tensor(rows, dtype=torch.long)]
+        return out_seqs, logits
+
+    def _append(self, seq: Sequence, token: int, now: float) -> list[TokenEvent]:
+        params = seq.params
+        request = self.requests[seq.request_id]
+        if token in params.stop_token_ids or (token == self._eos and not params.ignore_eos):
+            self._finish(seq, "stop", now)
+            return [TokenEvent(seq.request_id, seq.sample_index, None, "", True, "stop", now)]
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        detok = request.detoks[seq.sample_index]
+        piece = detok.add([token]) if detok is not None else ""
+        before = len(seq.text)
+        seq.text += piece
+        reason = None
+        cut = _stop_string_cut(seq.text, params.stop, before) if params.stop else None
+        if cut is not None:
+            piece, seq.text, reason = piece[:max(0, cut - before)], seq.text[:cut], "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+            tail = detok.flush() if detok is not None else ""
+            piece, seq.text = piece + tail, seq.text + tail
+        if reason is not None:
+            self._finish(seq, reason, now)
+        return [TokenEvent(seq.request_id, seq.sample_index, token, piece, reason is not None, reason, now)]
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_reason, seq.finish_time = reason, now
+        self.scheduler.finish(seq)
+
+    # -- results ------------------------------------------------------------------------------
+    def output(self, request_id: str) -> RequestOutput:
+        r = self.requests[request_id]
+        firsts = [s.first_token_time for s in r.seqs if s.first_token_time is not None]
+        finishes = [s.finish_time for s in r.seqs if s.finish_time is not None]
+        return RequestOutput(
+            r.request_id, r.prompt_token_ids,
+            [SampleOutput(s.sample_index, s.output_token_ids, s.text, s.finish_reason) for s in r.seqs],
+            r.arrival_time, min(firsts) if firsts else None,
+            max(finishes) if r.done and finishes else None,
+            r.seqs[0].num_cached_prompt_tokens, sum(s.preemptions for s in r.seqs))
+
+    def release(self, request_id: str) -> RequestOutput:
+        """The output of a finished request, forgetting the request."""
+        if not self.requests[request_id].done:
+            raise ValueError(f"request {request_id!r} has not finished")
+        out = self.output(request_id)
+        del self.requests[request_id]
+        return out
+
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, n: int = 1) -> list[RequestOutput]:
+        """Run a batch of prompts to completion; outputs in the order of `prompts`."""
+        many = isinstance(params, (list, tuple))
+        if many and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, params[i] if many else params, n=n) for i, p in enumerate(prompts)]
+        while not all(self.requests[i].done for i in ids):
+            self.step()
+        return [self.release(i) for i in ids]
+
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+               **kwargs) -> Iterator[TokenEvent]:
+        """Add a request and yield its events as steps produce them. Closing the iterator
+        early (a client that went away) aborts the request."""
+        request_id = self.add_request(prompt, params, **kwargs)
+        try:
+            while not self.requests[request_id].done:
+                for event in self.step():
+                    if event.request_id == request_id:
+                        yield event
+        finally:
+            self.abort(request_id)
+            if request_id in self.requests:
+                self.release(request_id)
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(b.num_blocks, b.num_used, b.num_free, len(self.scheduler.waiting),
+                           len(self.scheduler.running), b.counters.prefix_queries, b.counters.prefix_hits,
+                           self.scheduler.preemptions, b.counters.copies_on_write, b.counters.evictions,
+                           self.steps, self.tokens_computed)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any KV block is leaked or mis-counted."""
+        live = [s for r in self.requests.values() for s in r.seqs if not s.status.done]
+        self.blocks.check(live)
+        if sum(len(s.block_table) for s in self.scheduler.waiting):
+            raise AssertionError("a waiting sequence holds blocks")

@@ -1,0 +1,96 @@
+"""Speculative decoding: greedy output equals plain greedy decoding for both drafters and
+every lookahead; with sampling, the rejection rule keeps the target's distribution
+(chi-square against the exact distribution, with a negative control that must fail)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import make_tiny_llama
+from labkit.engine.speculative import (LayerSkipDrafter, NgramDrafter, accept,
+                                       expected_tokens_per_verification, speculative_generate)
+from labkit.sampling import SamplingParams, probabilities, step_generator
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(vocab=97, layers=3)
+
+
+def plain_greedy(model, ids, steps):
+    cache = model.new_cache(1, len(ids) + steps)
+    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
+    out = []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
+def test_ngram_drafter_continues_the_latest_match():
+    d = NgramDrafter(max_n=2)
+    params = SamplingParams(temperature=0.0)
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], 3, params, 0)[0] == [3, 4, 1]
+    assert d.propose([5, 6, 7], 2, params, 0)[0] == []  # nothing repeats
+    assert d.propose([7, 7], 3, params, 0)[0] == [7]    # the 1-gram fallback
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip1", "layerskip2"])
+def test_greedy_speculation_equals_plain_greedy(tiny, drafter, k):
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 40, 41, 5, 6]
+    d = NgramDrafter() if drafter == "ngram" else LayerSkipDrafter(tiny, int(drafter[-1]))
+    out, stats = speculative_generate(tiny, prompt, SamplingParams(temperature=0.0, max_tokens=30), d, k=k)
+    assert out == plain_greedy(tiny, prompt, 30)
+    assert stats.verifications <= 30 and stats.accepted + stats.verifications >= 30
+
+
+def test_full_depth_draft_is_always_accepted(tiny):
+    d = LayerSkipDrafter(tiny, len(tiny.layers))  # the draft is the target itself
+    out, stats = speculative_generate(tiny, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=21), d, k=4)
+    assert stats.acceptance_rate == 1.0 and stats.verifications == 5  # 4 guesses + 1 bonus each
+
+
+def test_accept_rule_counts():
+    gen = step_generator(0, 0)
+    p = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    assert accept(p, [1, 0], None, gen) == (2, 2)  # both guesses are the argmax: bonus token 2
+    assert accept(p, [2, 0], None, gen) == (0, 1)  # first guess impossible: the target's token
+
+
+def joint_two_tokens(model, prompt, params):
+    """Exact P(x1, x2) of the first two sampled tokens, from the target alone."""
+    p1 = probabilities(model(torch.tensor([prompt]))[0, -1], params)
+    rows = torch.tensor([prompt + [x] for x in range(p1.numel())])
+    p2 = probabilities(model(rows)[:, -1], params)
+    return (p1[:, None] * p2).flatten().double()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampled_draft", [False, True])
+def test_sampling_keeps_the_target_distribution(sampled_draft):
+    model = make_tiny_llama(seed=3, vocab=6, hidden=16, layers=2, heads=2, kv_heads=1)
+    prompt = [1, 2, 3, 1, 2]
+    draws = 6000
+    counts = torch.zeros(36, dtype=torch.float64)
+    rejections = 0
+    for seed in range(draws):
+        params = SamplingParams(temperature=1.0, max_tokens=2, seed=seed)
+        d = LayerSkipDrafter(model, 1, sample=sampled_draft)
+        out, stats = speculative_generate(model, prompt, params, d, k=2, stop_at_eos=False)
+        counts[out[0] * 6 + out[1]] += 1
+        rejections += stats.proposed - stats.accepted
+    expected = joint_two_tokens(model, prompt, SamplingParams(temperature=1.0))
+    keep = expected * draws >= 5
+    assert rejections > draws / 20  # the draft is wrong often enough to test the residual
+    observed = counts[keep]
+    assert chisquare(observed, expected[keep] / expected[keep].sum() * observed.sum()).pvalue > 1e-3
+    # negative control: the draft's own distribution is measurably different
+    draft_only = joint_two_tokens(d.model, prompt, SamplingParams(temperature=1.0))
+    assert chisquare(observed, draft_only[keep] / draft_only[keep].sum() * observed.sum()).pvalue < 1e-6
+
+
+def test_expected_tokens_per_verification():
+    assert expected_tokens_per_verification(0.0, 4) == 1.0
+    assert expected_tokens_per_verification(1.0, 4) == 5.0
+    assert expected_tokens_per_verification(0.5, 2) == pytest.approx(1.75)
