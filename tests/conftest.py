@@ -65,3 +65,11 @@ def make_tiny_llama(seed: int = 0, vocab: int = 97, hidden: int = 32, layers: in
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_llama()
+
+
+def random_qkv(batch, heads, kv_heads, steps, kv_len, dim=16, dtype=torch.float32, seed=0):
+    """Seeded attention inputs: q [batch, heads, steps, dim], k and v [batch, kv_heads, kv_len, dim]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, steps, dim, generator=g).to(dtype),
+            torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype),
+            torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype))

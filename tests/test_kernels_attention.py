@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
+from conftest import random_qkv as qkv
 from labkit.kernels.attention import (causal_mask, decode_attention, naive_attention,
+
                                       score_tensor_bytes, sdpa_attention)
 
 
@@ -19,13 +21,6 @@ def reference(q, k, v, causal=True):
         allowed = torch.ones(steps, kv_len).tril(kv_len - steps).bool()
         scores = scores.masked_fill(~allowed, float("-inf"))
     return scores.softmax(-1) @ v
-
-
-def qkv(batch, heads, kv_heads, steps, kv_len, dim=16, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, heads, steps, dim, generator=g).to(dtype),
-            torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype),
-            torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype))
 
 
 SHAPES = [  # batch, heads, kv_heads, q_len, kv_len

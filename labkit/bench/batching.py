@@ -1,0 +1,243 @@
+"""Static vs continuous batching: the analysis of chapter 15.
+
+`run_engine` (labkit.bench.serving) gives one record per request (arrival, first token,
+finish) and the number of running sequences after every engine step. This module turns
+those into the quantities a serving system is judged by:
+
+- per-request latencies: time to first token (TTFT), time per output token (TPOT),
+  end-to-end latency;
+- goodput: requests per second that met a latency objective (an `SLO`), not just
+  requests per second;
+- padding waste of static batching: slot-steps a batch holds for sequences that have
+  already finished while the batch still runs;
+- fairness: the same latencies split into groups (short vs long prompts);
+
+and runs the experiments: the capacity of a configuration (all requests queued at once)
+and a sweep of offered loads (Poisson arrivals at fractions of that capacity), every
+system on the same workload and the same arrival times.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from labkit.bench.serving import RequestRecord, RunResult, run_engine
+from labkit.bench.workloads import Workload, poisson_arrivals
+
+
+# -- per-request latencies ----------------------------------------------------------------------
+def quantile(values: Iterable[float], q: float) -> float:
+    """Quantile q of `values` with linear interpolation between order statistics (the rule
+    `RunResult.ttft_quantile` and numpy's default use); NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    x = q * (len(xs) - 1)
+    low = int(x)
+    high = min(low + 1, len(xs) - 1)
+    return xs[low] + (xs[high] - xs[low]) * (x - low)
+
+
+def ttft_s(record: RequestRecord) -> float:
+    """Time to first token: first token minus arrival (inf if no token came)."""
+    return math.inf if record.first_token_s is None else record.first_token_s - record.arrival_s
+
+
+def tpot_s(record: RequestRecord) -> float:
+    """Time per output token after the first: (finish - first token) / (output tokens - 1);
+    0 for a request of one token, inf if no token came."""
+    if record.first_token_s is None:
+        return math.inf
+    if record.output_tokens < 2:
+        return 0.0
+    return (record.finish_s - record.first_token_s) / (record.output_tokens - 1)
+
+
+def e2e_s(record: RequestRecord) -> float:
+    """End-to-end latency: finish minus arrival."""
+    return record.finish_s - record.arrival_s
+
+
+# -- goodput ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SLO:
+    """A latency objective per request: TTFT <= ttft_s and TPOT <= tpot_s."""
+    ttft_s: float = 1.0
+    tpot_s: float = 0.25
+
+    def met(self, record: RequestRecord) -> bool:
+        return ttft_s(record) <= self.ttft_s and tpot_s(record) <= self.tpot_s
+
+    def describe(self) -> str:
+        return f"TTFT <= {self.ttft_s:g} s and TPOT <= {1e3 * self.tpot_s:g} ms"
+
+
+@dataclass(frozen=True)
+class Goodput:
+    met: int            # requests that met the SLO
+    requests: int
+    wall_s: float       # duration of the run
+
+    @property
+    def fraction(self) -> float:
+        return self.met / self.requests if self.requests else math.nan
+
+    @property
+    def rps(self) -> float:
+        """Goodput: requests that met the SLO per second of the run."""
+        return self.met / self.wall_s
+
+
+def goodput(records: Sequence[RequestRecord], wall_s: float, slo: SLO) -> Goodput:
+    """How many requests met `slo`, and that count per second of a run lasting `wall_s`."""
+    if wall_s <= 0:
+        raise ValueError("wall_s must be positive")
+    return Goodput(sum(slo.met(r) for r in records), len(records), wall_s)
+
+
+# -- padding waste ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PaddingWaste:
+    batches: list[int]      # size of each static batch at admission
+    steps: list[int]        # engine steps each batch ran
+    wasted: int             # slot-steps held for sequences that had already finished
+    held: int               # slot-steps the batches held in all: sum of size x steps
+
+    @property
+    def fraction(self) -> float:
+        return self.wasted / self.held if self.held else 0.0
+
+
+def static_batches(running_per_step: Sequence[int]) -> list[list[int]]:
+    """Split a static-batching run's `running_per_step` (sequences still running after each
+    step) into its batches. A static batch admits nothing until it has finished, so each
+    batch ends with a step after which nothing runs (a 0)."""
+    batches, current = [], []
+    for r in running_per_step:
+        current.append(r)
+        if r == 0:
+            batches.append(current)
+            current = []
+    if current:
+        batches.append(current)  # a run cut off before its last batch finished
+    return batches
+
+
+def padding_waste(running_per_step: Sequence[int]) -> PaddingWaste:
+    """Padding waste of static batching from the running count after every step.
+
+    For a batch admitted with B sequences that runs steps a..b, the sequences computed at
+    step t > a are the r_{t-1} still running after the step before, so
+
+        waste = sum over batches of  sum_{t=a}^{b-1} (B - r_t)
+
+    slot-steps held by sequences that have finished while the batch runs (equal, for one
+    batch, to sum_i (L_max - L_i) over its output lengths L_i). B is read as the first
+    count of the batch, which assumes no sequence finishes in its prefill step (outputs of
+    at least 2 tokens)."""
+    sizes, lengths, wasted, held = [], [], 0, 0
+    for batch in static_batches(running_per_step):
+        size = batch[0]
+        if size == 0:
+            continue
+        sizes.append(size)
+        lengths.append(len(batch))
+        wasted += sum(size - r for r in batch[:-1])
+        held += size * len(batch)
+    return PaddingWaste(sizes, lengths, wasted, held)
+
+
+def padding_waste_from_lengths(batches: Sequence[Sequence[int]]) -> int:
+    """The same waste from the output lengths of each batch: sum_i (max_j L_j - L_i)."""
+    return sum(max(b) * len(b) - sum(b) for b in batches if b)
+
+
+# -- summaries ------------------------------------------------------------------------------------
+def summarize(run: RunResult, slo: SLO, **extra) -> dict:
+    """One row of latency, throughput and goodput figures for a run (plus `extra` columns)."""
+    recs = run.records
+    ttft = [ttft_s(r) for r in recs]
+    good = goodput(recs, run.wall_s, slo)
+    return {**extra, "system": run.system, "requests": len(recs), "wall_s": run.wall_s,
+            "ttft_median_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+            "tpot_median_s": quantile([tpot_s(r) for r in recs], 0.5),
+            "e2e_median_s": quantile([e2e_s(r) for r in recs], 0.5),
+            "e2e_p99_s": quantile([e2e_s(r) for r in recs], 0.99),
+            "requests_per_s": len(recs) / run.wall_s, "tokens_per_s": run.tokens_per_s,
+            "slo_met": good.met, "slo_fraction": good.fraction, "goodput_rps": good.rps}
+
+
+def group_summary(records: Sequence[RequestRecord], group: Callable[[RequestRecord], str]) -> dict[str, dict]:
+    """Latencies per group of requests (e.g. "short" and "long" prompts): who waits."""
+    out: dict[str, dict] = {}
+    for name in sorted({group(r) for r in records}):
+        rs = [r for r in records if group(r) == name]
+        ttft, e2e = [ttft_s(r) for r in rs], [e2e_s(r) for r in rs]
+        out[name] = {"requests": len(rs), "ttft_median_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+                     "ttft_max_s": max(ttft), "e2e_median_s": quantile(e2e, 0.5), "e2e_max_s": max(e2e)}
+    return out
+
+
+def jain_index(values: Sequence[float]) -> float:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all equal, 1/n when one takes all."""
+    if not values:
+        return math.nan
+    s, s2 = sum(values), sum(v * v for v in values)
+    return s * s / (len(values) * s2) if s2 else 1.0
+
+
+# -- workloads and experiments --------------------------------------------------------------------
+def varied_outputs(count: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
+    """Output lengths uniform in [shortest, longest] from a seed."""
+    rng = random.Random(seed)
+    return [rng.randint(shortest, longest) for _ in range(count)]
+
+
+def with_arrivals(workload: Workload, rate: float, seed: int = 0) -> Workload:
+    """The same prompts and output lengths, arriving as a Poisson process at `rate`/s."""
+    return Workload(workload.prompts, workload.max_tokens, poisson_arrivals(len(workload), rate, seed))
+
+
+def mixed_prompts(short: Sequence[Sequence[int]], long: Sequence[Sequence[int]], every: int) -> tuple[list[list[int]], list[bool]]:
+    """Interleave long prompts among short ones: request k*every + every//2 is long while
+    long prompts last. Returns (prompts, is_long)."""
+    prompts, is_long = [], []
+    longs, shorts = list(long), list(short)
+    k = 0
+    while shorts or longs:
+        take_long = longs and (k % every == every // 2 or not shorts)
+        prompts.append(list(longs.pop(0) if take_long else shorts.pop(0)))
+        is_long.append(bool(take_long))
+        k += 1
+    return prompts, is_long
+
+
+def capacity(model, workload: Workload, config, system: str = "capacity") -> tuple[float, RunResult]:
+    """Requests per second with every request of `workload` queued at once."""
+    run = run_engine(model, Workload(workload.prompts, workload.max_tokens), config, system)
+    return len(workload) / run.wall_s, run
+
+
+@dataclass
+class SweepPoint:
+    load: float          # offered load as a fraction of capacity
+    rate: float          # requests per second offered
+    system: str
+    run: RunResult
+
+
+def load_sweep(model, workload: Workload, capacity_rps: float, loads: Sequence[float], systems: dict,
+               seed: int = 0, runner: Callable = run_engine) -> list[SweepPoint]:
+    """Run every system (name -> EngineConfig) at every offered load (fraction of
+    `capacity_rps`), on the same prompts. All loads share one seed, so their Poisson
+    arrival times are the same pattern compressed or stretched in time."""
+    points = []
+    for load in loads:
+        rate = load * capacity_rps
+        work = with_arrivals(workload, rate, seed)
+        for name, config in systems.items():
+            points.append(SweepPoint(load, rate, name, runner(model, work, config, name)))
+    return points
