@@ -73,3 +73,25 @@ def random_qkv(batch, heads, kv_heads, steps, kv_len, dim=16, dtype=torch.float3
     return (torch.randn(batch, heads, steps, dim, generator=g).to(dtype),
             torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype),
             torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype))
+
+
+def greedy_reference(model, ids, steps):
+    """One sequence, contiguous cache, argmax at every step: the reference the engine's
+    batched and speculative paths must reproduce token for token."""
+    cache = model.new_cache(1, len(ids) + steps)
+    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
+    out = []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
+def hf_greedy(reference, prompt_ids, steps):
+    """`transformers` greedy generate of at most `steps` tokens; a final EOS (id 2) is left
+    out, since labkit reports it as the finish reason instead of a token."""
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=steps, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)
+    ids = out[0, len(prompt_ids):].tolist()
+    return ids[:-1] if ids and ids[-1] == 2 else ids

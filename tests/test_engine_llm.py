@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import make_tiny_llama
+from conftest import greedy_reference as solo_greedy, make_tiny_llama
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.scheduler import SchedulerConfig
 from labkit.engine.sequence import Status
@@ -18,17 +18,6 @@ VOCAB = 97
 @pytest.fixture(scope="module")
 def tiny():
     return make_tiny_llama(vocab=VOCAB)
-
-
-def solo_greedy(model, ids, steps):
-    """The reference: one sequence, contiguous cache, argmax at every step."""
-    cache = model.new_cache(1, len(ids) + steps)
-    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
-    out = []
-    for _ in range(steps):
-        out.append(int(logits.argmax()))
-        logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
-    return out
 
 
 def engine(model, tokens=256, block=4, **sched):

@@ -3,9 +3,8 @@ prefix-cache hit gives every request exactly the tokens `transformers` generate 
 alone; stop strings, text and seeded sampling behave as in the single-request loop."""
 
 import pytest
-import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, hf_greedy
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.loop import generate
 from labkit.engine.scheduler import SchedulerConfig
@@ -13,14 +12,6 @@ from labkit.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 STEPS = 24
-
-
-def hf_greedy(reference, ids, steps):
-    with torch.inference_mode():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
-                                 eos_token_id=2, pad_token_id=2)
-    tokens = out[0, len(ids):].tolist()
-    return tokens[:-1] if tokens and tokens[-1] == 2 else tokens  # the engine reports EOS as "stop"
 
 
 def test_batched_engine_equals_transformers_alone(model, reference):

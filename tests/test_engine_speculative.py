@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import make_tiny_llama
+from conftest import greedy_reference as plain_greedy, make_tiny_llama
 from labkit.engine.speculative import (LayerSkipDrafter, NgramDrafter, accept,
                                        expected_tokens_per_verification, speculative_generate)
 from labkit.sampling import SamplingParams, probabilities, step_generator
@@ -15,16 +15,6 @@ from labkit.sampling import SamplingParams, probabilities, step_generator
 @pytest.fixture(scope="module")
 def tiny():
     return make_tiny_llama(vocab=97, layers=3)
-
-
-def plain_greedy(model, ids, steps):
-    cache = model.new_cache(1, len(ids) + steps)
-    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
-    out = []
-    for _ in range(steps):
-        out.append(int(logits.argmax()))
-        logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
-    return out
 
 
 def test_ngram_drafter_continues_the_latest_match():

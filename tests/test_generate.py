@@ -5,27 +5,18 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, hf_greedy
 from labkit.engine.loop import generate
 from labkit.sampling import SamplingParams
 
 NEW_TOKENS = 24
 
 
-def _reference_greedy(reference, prompt_ids, n):
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=2, pad_token_id=2)
-    ids = out[0, len(prompt_ids):].tolist()
-    return ids[:-1] if ids and ids[-1] == 2 else ids  # we report the stop token as a finish reason
-
-
 @pytest.mark.parametrize("prompt", PROMPTS[:5])
 def test_greedy_matches_transformers_generate(model, reference, prompt):
     ours = generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-    assert ours.token_ids == _reference_greedy(reference, ours.prompt_token_ids, NEW_TOKENS)
+    assert ours.token_ids == hf_greedy(reference, ours.prompt_token_ids, NEW_TOKENS)
     assert ours.text == model.tokenizer.decode(ours.token_ids)
 
 
@@ -33,7 +24,7 @@ def test_chat_prompt_matches_transformers_generate(model, reference):
     ours = generate(model, "Name three planets.", SamplingParams(temperature=0.0, max_tokens=40),
                     chat=True)
     assert ours.prompt_token_ids[:3] == model.tokenizer.encode("<|im_start|>system\n")
-    assert ours.token_ids == _reference_greedy(reference, ours.prompt_token_ids, 40)
+    assert ours.token_ids == hf_greedy(reference, ours.prompt_token_ids, 40)
     assert ours.finish_reason == "stop"  # the model ends its answer with <|im_end|>
 
 
