@@ -110,8 +110,9 @@ class _Request:
 
     @property
     def done(self) -> bool:
-        return len(self.seqs) == self.n and all(s.status.done for s in self.seqs) or (
-            bool(self.seqs) and self.seqs[0].status is Status.ABORTED)
+        if self.seqs and self.seqs[0].status is Status.ABORTED:
+            return True  # aborted, possibly before its other samples were forked
+        return len(self.seqs) == self.n and all(s.status.done for s in self.seqs)
 
 
 class LLMEngine:

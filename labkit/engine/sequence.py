@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 from labkit.sampling import SamplingParams
@@ -72,9 +71,6 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
-
-    def blocks_for(self, tokens: int, block_size: int) -> int:
-        return math.ceil(tokens / block_size)
 
     # -- sampling stream -------------------------------------------------------------------
     @property

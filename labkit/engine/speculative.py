@@ -21,7 +21,7 @@ model's own first layers plus its head; no second model with this tokenizer ship
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,7 +71,7 @@ class LayerSkipDrafter:
         torch.nn.Module.__init__(draft)
         draft.__dict__.update({k: v for k, v in model.__dict__.items() if not k.startswith("_")})
         draft.layers = model.layers[:layers]
-        draft.config = _with_layers(model.config, layers)
+        draft.config = replace(model.config, num_layers=layers)
         self.model, self.layers, self.sample, self.max_len = draft, layers, sample, max_len
         self.cache: KVCache | None = None
 
@@ -100,12 +100,6 @@ class LayerSkipDrafter:
     def rollback(self, length: int) -> None:
         """Forget cached positions from `length` on (rejected guesses)."""
         self.cache.length = min(self.cache.length, length)
-
-
-def _with_layers(config, layers):
-    from dataclasses import replace
-
-    return replace(config, num_layers=layers)
 
 
 def _draft_seed(params: SamplingParams) -> int:
