@@ -23,6 +23,7 @@ from labkit.engine.paged_cache import KVPool
 from labkit.engine.runner import ModelRunner
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.sequence import Sequence, Status
+from labkit.kernels.packed import pack_model
 from labkit.sampling import SamplingParams
 
 
@@ -32,6 +33,8 @@ class EngineConfig:
     kv_cache_tokens: int = 32_768      # size of the KV pool, in token slots
     max_model_len: int | None = None   # prompt + output limit; None: the model's RoPE table
     prefix_caching: bool = True
+    fast_kernels: bool = True          # oneDNN-packed weights, labkit's C decode kernels (where
+                                       # they build); False: F.linear and gather + SDPA
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -118,17 +121,19 @@ class _Request:
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter):
-        self.model, self.config, self.clock = model, config or EngineConfig(), clock
+        self.config, self.clock = config or EngineConfig(), clock
         c = self.config
+        self.model = pack_model(model) if c.fast_kernels else model
         if c.num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
         rope_len = model.rope_cos.shape[0]
         self.max_model_len = min(c.max_model_len or rope_len, rope_len)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
-        self.pool = KVPool(model.config, c.num_blocks, c.block_size, model.dtype)
+        self.pool = KVPool(model.config, c.num_blocks, c.block_size, model.dtype,
+                           native_attention=c.fast_kernels)
         self.transitions: list[tuple[float, str, int, str, str]] = []
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()

@@ -1,16 +1,21 @@
 """Paged KV storage and attention over it.
 
-`KVPool` is the memory: for every layer, one tensor of `num_blocks * block_size` token
-slots. Slot `b * block_size + i` is position i of block b; a sequence's position p lives
-in slot `block_table[p // block_size] * block_size + p % block_size`.
+`KVPool` is the memory: for every layer, `num_blocks` blocks of `block_size` token slots.
+Position p of a sequence lives in block `block_table[p // block_size]`, slot
+`p % block_size`. Inside a block, each KV head's values are stored slot by slot
+([block_size, head_dim]) and its keys transposed ([head_dim, block_size]), so a block of
+one head is two contiguous runs of memory, and a decode kernel can score a query against
+all the block's keys with plain vector arithmetic (one multiply-add per key dimension
+covers every slot at once) instead of one dot product per slot.
 
 `PagedBatch` is one engine step's view of that memory. The step packs the new tokens of
 every scheduled sequence into one row ([1, total_tokens]), so the matrix products run
 once for all of them; `Llama.forward` then asks the batch, layer by layer, to `attend`:
 the batch writes the new keys and values into their slots and computes each sequence's
-attention over the slots its block table names (gathered, since on a CPU a gather and
-one attention call is the simplest correct kernel). Decode tokens (one per sequence) are
-attended together in one padded call; prefill chunks one sequence at a time.
+attention over the blocks its table names. Decode tokens (one per sequence) are attended
+together, by labkit's C kernel reading the blocks in place where it builds, else by
+gathering the blocks and one padded SDPA call; prefill chunks are gathered and attended
+one sequence at a time.
 """
 
 from __future__ import annotations
@@ -20,21 +25,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from labkit.kernels import native
 from labkit.models.gguf_file import LlamaConfig
 from labkit.models.llama import check_positions, grouped_attention
 
 
 class KVPool:
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, native_attention: bool = True):
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
+        self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype)
+        self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype)
+        # Decode attention by labkit's C kernel where it builds, else gather + SDPA.
+        self.native = native_attention and dtype == torch.float32 and native.load() is not None
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.keys[:, 0].nbytes
+        return 2 * self.keys[:, 0, :, :, 0].nbytes
 
     @property
     def nbytes(self) -> int:
@@ -42,24 +50,38 @@ class KVPool:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy on write): every layer, keys and values."""
-        bs = self.block_size
         for src, dst in copies:
-            self.keys[:, dst * bs:(dst + 1) * bs] = self.keys[:, src * bs:(src + 1) * bs]
-            self.values[:, dst * bs:(dst + 1) * bs] = self.values[:, src * bs:(src + 1) * bs]
+            self.keys[:, dst] = self.keys[:, src]
+            self.values[:, dst] = self.values[:, src]
 
-    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Slot of every position in [start, end) of a sequence with this block table."""
+    def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys and values k, v [N, kv_heads, D] at (blocks[i], slots[i])."""
+        self.keys[layer][blocks, :, :, slots] = k
+        self.values[layer][blocks, :, slots, :] = v
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of these blocks, in order: each [..., kv_heads, len * block_size, D]."""
+        k = self.keys[layer][blocks]  # [..., n, heads, D, bs]
+        v = self.values[layer][blocks]  # [..., n, heads, bs, D]
+        k = k.transpose(-1, -2).transpose(-3, -4).flatten(-3, -2)
+        v = v.transpose(-3, -4).flatten(-3, -2)
+        return k, v
+
+    def location(self, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, slot) of every position in [start, end) of a sequence with this table."""
         positions = torch.arange(start, end)
         table = torch.tensor(block_table, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return table[positions // self.block_size], positions % self.block_size
 
 
 @dataclass
 class Segment:
     """One sequence's share of a packed step."""
-    rows: slice              # its new tokens' rows in the packed batch
-    start: int               # position of its first new token (= tokens already cached)
-    context_slots: torch.Tensor  # slots of positions 0 .. start + new tokens - 1
+    rows: slice           # its new tokens' rows in the packed batch
+    start: int            # position of its first new token (= tokens already cached)
+    blocks: torch.Tensor  # the blocks holding positions 0 .. start + new tokens - 1
+    length: int           # start + new tokens: the context it attends over
 
 
 class PagedBatch:
@@ -67,27 +89,36 @@ class PagedBatch:
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], counts: list[int]):
         self.pool = pool
-        positions, new_slots, self.prefill, decode = [], [], [], []
+        bs = pool.block_size
+        positions, new_blocks, new_slots, self.prefill, decode = [], [], [], [], []
         row, self.end = 0, 0
         for table, start, count in zip(tables, starts, counts):
-            self.end = max(self.end, start + count)
-            slots = pool.slots(table, 0, start + count)
-            positions.append(torch.arange(start, start + count))
-            new_slots.append(slots[start:])
-            segment = Segment(slice(row, row + count), start, slots)
+            length = start + count
+            self.end = max(self.end, length)
+            blocks = torch.tensor(table[:-(-length // bs)], dtype=torch.long)
+            positions.append(torch.arange(start, length))
+            block, slot = pool.location(table, start, length)
+            new_blocks.append(block)
+            new_slots.append(slot)
+            segment = Segment(slice(row, row + count), start, blocks, length)
             (decode if count == 1 else self.prefill).append(segment)
             row += count
         self._positions = torch.cat(positions)
-        self.new_slots = torch.cat(new_slots)
+        self.new_blocks, self.new_slots = torch.cat(new_blocks), torch.cat(new_slots)
         self.num_tokens = row
         self.decode_rows = torch.tensor([s.rows.start for s in decode], dtype=torch.long)
+        self.decode_only = not self.prefill  # then decode row i is packed row i
         if decode:
-            longest = max(len(s.context_slots) for s in decode)
-            self.decode_slots = torch.zeros(len(decode), longest, dtype=torch.long)
-            self.decode_mask = torch.zeros(len(decode), longest, dtype=torch.bool)
+            # Tables padded with block 0 to the longest; lengths say what is context.
+            self.decode_len = max(s.length for s in decode)
+            width = -(-self.decode_len // bs)
+            self.decode_blocks = torch.zeros(len(decode), width, dtype=torch.long)
             for i, s in enumerate(decode):
-                self.decode_slots[i, :len(s.context_slots)] = s.context_slots
-                self.decode_mask[i, :len(s.context_slots)] = True
+                self.decode_blocks[i, :len(s.blocks)] = s.blocks
+            self.decode_lengths = torch.tensor([s.length for s in decode])
+            if pool.native:  # checked once here for every layer's call
+                native.check_tables(self.decode_blocks, self.decode_lengths, len(decode),
+                                    pool.num_blocks, bs)
 
     def positions(self, steps: int, limit: int) -> torch.Tensor:
         if steps != self.num_tokens:
@@ -97,23 +128,44 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, kv_heads, group, N, D]; k, v: [1, kv_heads, N, D] for the N packed tokens
-        keys, values = self.pool.keys[layer], self.pool.values[layer]  # [slots, kv_heads, D]
-        keys.index_copy_(0, self.new_slots, k[0].transpose(0, 1))
-        values.index_copy_(0, self.new_slots, v[0].transpose(0, 1))
+        self.pool.write(layer, self.new_blocks, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        if self.decode_only:
+            return self._decode(layer, q[0].permute(2, 0, 1, 3)).permute(1, 2, 0, 3).unsqueeze(0)
         out = torch.empty_like(q)
         for s in self.prefill:
-            kk = keys[s.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D]
-            vv = values[s.context_slots].transpose(0, 1).unsqueeze(0)
+            if s.start == 0:  # a whole prompt: plain causal attention over its own k, v
+                out[:, :, :, s.rows] = causal_attention(q[:, :, :, s.rows], k[:, :, s.rows], v[:, :, s.rows])
+                continue
+            kk, vv = self.pool.gather(layer, s.blocks)  # [kv_heads, S', D]
+            kk, vv = kk[None, :, :s.length], vv[None, :, :s.length]
             out[:, :, :, s.rows] = grouped_attention(q[:, :, :, s.rows], kk, vv, s.start)
         if len(self.decode_rows):
-            # [B, kv_heads, group, D] queries over [B, kv_heads, S, D] padded contexts
-            qq = q[0, :, :, self.decode_rows].permute(2, 0, 1, 3)
-            kk = keys[self.decode_slots].permute(0, 2, 1, 3)
-            vv = values[self.decode_slots].permute(0, 2, 1, 3)
-            mask = self.decode_mask[:, None, None, :]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)
+            o = self._decode(layer, q[0, :, :, self.decode_rows].permute(2, 0, 1, 3))
             out[0, :, :, self.decode_rows] = o.permute(1, 2, 0, 3)
         return out
 
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, kv_heads, group, D]: each decode row's one query over its whole context."""
+        if self.pool.native:
+            return native.paged_decode_attention(self.pool.keys[layer], self.pool.values[layer],
+                                                 self.decode_blocks, self.decode_lengths, q,
+                                                 checked=True)
+        kk, vv = self.pool.gather(layer, self.decode_blocks)  # [B, kv_heads, S', D]
+        kk, vv = kk[:, :, :self.decode_len], vv[:, :, :self.decode_len]
+        mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[:, None, None, :])
+
     def advance(self, steps: int) -> None:
         """Nothing to do: the engine advances each sequence's `num_computed_tokens`."""
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What `grouped_attention(q, k, v, 0)` computes, for a prompt attending to itself: the
+    KV heads are repeated for their query heads so SDPA can use its causal kernel, which
+    skips the masked half instead of building a mask. q [1, kv, group, T, D]; k, v [1, kv, T, D]."""
+    batch, kv_heads, group, steps, dim = q.shape
+    heads = kv_heads * group
+    k = k[:, :, None].expand(batch, kv_heads, group, steps, dim).reshape(batch, heads, steps, dim)
+    v = v[:, :, None].expand(batch, kv_heads, group, steps, dim).reshape(batch, heads, steps, dim)
+    out = F.scaled_dot_product_attention(q.reshape(batch, heads, steps, dim), k, v, is_causal=True)
+    return out.view(batch, kv_heads, group, steps, dim)

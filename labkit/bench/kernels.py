@@ -1,0 +1,79 @@
+"""The engine's decode kernels measured against the library ones (chapter 18): the decode
+step with each way of doing the matrix products, decode attention over a paged pool in C
+against gathering the blocks and calling SDPA, and a `labkit bench` record as a table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from labkit.bench.timing import Timing, measure
+from labkit.engine.paged_cache import KVPool
+from labkit.kernels import native
+from labkit.kernels.packed import pack_model
+
+
+def matrix_kernel_models(model) -> dict:
+    """The same weights multiplied three ways: name -> model."""
+    return {"F.linear (MKL)": model,
+            "oneDNN, packed weights": pack_model(model, native_gemv=False),
+            "packed + C matrix-vector kernel": pack_model(model, native_gemv=True)}
+
+
+def random_pool(config, batch: int, longest: int, block_size: int = 16, seed: int = 0):
+    """A one-layer KV pool of random keys and values, `batch` sequences of random lengths in
+    [1, longest] with their own blocks, and one query per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (batch,), generator=g)
+    width = -(-longest // block_size)
+    layer = type(config)(**{**vars(config), "num_layers": 1})
+    pool = KVPool(layer, batch * width, block_size)
+    pool.keys.normal_(generator=g)
+    pool.values.normal_(generator=g)
+    tables = torch.randperm(batch * width, generator=g).view(batch, width)
+    q = torch.randn(batch, config.num_kv_heads, config.num_heads // config.num_kv_heads,
+                    config.head_dim, generator=g)
+    return pool, tables, lengths, q
+
+
+def gathered_attention(pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor,
+                       q: torch.Tensor) -> torch.Tensor:
+    """The reference: copy every sequence's blocks out, pad to the longest, one SDPA call."""
+    keys, values = pool.gather(0, tables)
+    mask = torch.arange(keys.shape[2])[None, :] < lengths[:, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :])
+
+
+def decode_attention_timings(config, batch: int, longest: int, repeats: int,
+                             seed: int = 0) -> dict[str, Timing | float | str]:
+    """Time one layer's decode attention both ways; `max_abs_diff` compares their outputs.
+    Without the C kernel here the C entry is the string NOT_RUN: <why>."""
+    pool, tables, lengths, q = random_pool(config, batch, longest, seed=seed)
+    out = {"context_tokens": int(lengths.sum()),
+           "gather + SDPA": measure(lambda: gathered_attention(pool, tables, lengths, q), repeats=repeats)}
+    if native.load() is None:
+        out["C kernel"] = f"NOT_RUN: {native.why_unavailable()}"
+        return out
+    run = lambda: native.paged_decode_attention(pool.keys[0], pool.values[0], tables, lengths, q)  # noqa: E731
+    out["C kernel"] = measure(run, repeats=repeats)
+    out["max_abs_diff"] = float((run() - gathered_attention(pool, tables, lengths, q)).abs().max())
+    return out
+
+
+def bench_table(path: str | Path):
+    """A `labkit bench` summary.json as (figures DataFrame, facts about the run)."""
+    import pandas as pd
+
+    summary = json.loads(Path(path).read_text())
+    rows = [{"figure": f["name"], "what": f["what"], "ours": f["value"], "baseline": f["baseline"],
+             "unit": f["unit"], "ratio": f["ratio"], "target": f["target"],
+             "met": "yes" if f["passed"] else "NO"} for f in summary["figures"]]
+    env = summary.get("environment", {})
+    git = env.get("git", {}) if isinstance(env.get("git"), dict) else {}
+    facts = {"timestamp": summary.get("timestamp"), "threads": summary.get("threads"),
+             "quick": summary.get("quick"), "revision": git.get("revision") or git.get("commit"),
+             "dirty": git.get("dirty")}
+    return pd.DataFrame(rows), facts
