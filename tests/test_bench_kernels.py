@@ -62,3 +62,18 @@ def test_bench_table_reads_a_summary(tmp_path):
     assert facts["revision"] == "abc1234def" and facts["threads"] == 2 and facts["quick"] is False
     with pytest.raises(FileNotFoundError):
         kernels.bench_table(tmp_path / "missing.json")
+
+
+def test_matrix_bytes_counts_each_layer_and_the_head():
+    model = make_tiny_llama(seed=9)  # hidden 32, 2 layers, 4 heads of 8, 2 KV heads, MLP 64
+    per_layer = (32 + 2 * 16) * 32 + 32 * 32 + 2 * 64 * 32 + 32 * 64  # qkv, o, gate_up, down
+    assert kernels.matrix_bytes(model) == 4 * (2 * per_layer + 97 * 32)
+
+
+def test_kernel_steps_time_every_kernel_and_agree_on_tokens():
+    model = make_tiny_llama(seed=10)
+    timings, tokens = kernels.kernel_steps(model, [5, 6, 7], new_tokens=4, repeats=2)
+    assert list(timings) == list(kernels.matrix_kernel_models(model))
+    assert all(isinstance(t, Timing) for t in timings.values())
+    from conftest import greedy_reference
+    assert all(t == greedy_reference(model, [5, 6, 7], 4) for t in tokens.values())

@@ -16,7 +16,6 @@ one compiled function can meet a model of another dtype, and a guard on dtype sh
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -31,7 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from labkit.models.llama import KVCache, Llama
+from labkit.models.llama import KVCache, Llama, shallow_copy
 
 @dataclasses.dataclass
 class CompileCounter:
@@ -157,8 +156,7 @@ def slice_model(model: Llama, layers: int | None = None, dtype: torch.dtype | No
     """A shallow copy of `model` with only its first `layers` layers and/or its tensors cast
     to `dtype` and/or moved to `device` (for cheap compile experiments, and the GPU). The
     original is not modified."""
-    out = copy.copy(model)
-    out.__dict__ = dict(model.__dict__)
+    out = shallow_copy(model)
     if layers is not None:
         out.layers = model.layers[:layers]
         out.config = dataclasses.replace(model.config, num_layers=layers)

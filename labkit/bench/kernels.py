@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from labkit.bench.compilation import forward_step, greedy_decode, prefill, step_at
 from labkit.bench.timing import Timing, measure
 from labkit.engine.paged_cache import KVPool
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
+from labkit.models.llama import MATRICES
 
 
 def matrix_kernel_models(model) -> dict:
@@ -21,6 +23,24 @@ def matrix_kernel_models(model) -> dict:
     return {"F.linear (MKL)": model,
             "oneDNN, packed weights": pack_model(model, native_gemv=False),
             "packed + C matrix-vector kernel": pack_model(model, native_gemv=True)}
+
+
+def matrix_bytes(model) -> int:
+    """Bytes of the matrices one decode step reads: each layer's four and the LM head."""
+    return sum(getattr(layer, name).nbytes for layer in model.layers for name in MATRICES) + model.lm_head.nbytes
+
+
+def kernel_steps(model, prompt_ids: list[int], new_tokens: int,
+                 repeats: int) -> tuple[dict[str, Timing], dict[str, list[int]]]:
+    """For each of `matrix_kernel_models`: the eager decode step at the first generated
+    position (timed), and `new_tokens` greedy tokens (to check that they agree)."""
+    timings, tokens = {}, {}
+    max_len = len(prompt_ids) + new_tokens
+    for name, m in matrix_kernel_models(model).items():
+        cache, _ = prefill(m, prompt_ids, False, max_len)
+        timings[name] = measure(step_at(m, forward_step, cache, len(prompt_ids)), repeats=repeats)
+        tokens[name], _ = greedy_decode(m, forward_step, prompt_ids, new_tokens, static=False)
+    return timings, tokens
 
 
 def random_pool(config, batch: int, longest: int, block_size: int = 16, seed: int = 0):
@@ -71,9 +91,7 @@ def bench_table(path: str | Path):
     rows = [{"figure": f["name"], "what": f["what"], "ours": f["value"], "baseline": f["baseline"],
              "unit": f["unit"], "ratio": f["ratio"], "target": f["target"],
              "met": "yes" if f["passed"] else "NO"} for f in summary["figures"]]
-    env = summary.get("environment", {})
-    git = env.get("git", {}) if isinstance(env.get("git"), dict) else {}
+    git = summary.get("environment", {}).get("git", {})
     facts = {"timestamp": summary.get("timestamp"), "threads": summary.get("threads"),
-             "quick": summary.get("quick"), "revision": git.get("revision") or git.get("commit"),
-             "dirty": git.get("dirty")}
+             "quick": summary.get("quick"), "revision": git.get("revision"), "dirty": git.get("dirty")}
     return pd.DataFrame(rows), facts

@@ -68,12 +68,6 @@ class KVPool:
         v = v.transpose(-3, -4).flatten(-3, -2)
         return k, v
 
-    def location(self, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, slot) of every position in [start, end) of a sequence with this table."""
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[positions // self.block_size], positions % self.block_size
-
 
 @dataclass
 class Segment:
@@ -96,10 +90,10 @@ class PagedBatch:
             length = start + count
             self.end = max(self.end, length)
             blocks = torch.tensor(table[:-(-length // bs)], dtype=torch.long)
-            positions.append(torch.arange(start, length))
-            block, slot = pool.location(table, start, length)
-            new_blocks.append(block)
-            new_slots.append(slot)
+            new = torch.arange(start, length)
+            positions.append(new)
+            new_blocks.append(blocks[new // bs])  # (block, slot) of each new token
+            new_slots.append(new % bs)
             segment = Segment(slice(row, row + count), start, blocks, length)
             (decode if count == 1 else self.prefill).append(segment)
             row += count
@@ -119,6 +113,9 @@ class PagedBatch:
             if pool.native:  # checked once here for every layer's call
                 native.check_tables(self.decode_blocks, self.decode_lengths, len(decode),
                                     pool.num_blocks, bs)
+            else:  # the reference path's padding mask, shared by every layer
+                mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
+                self.decode_mask = mask[:, None, None, :]
 
     def positions(self, steps: int, limit: int) -> torch.Tensor:
         if steps != self.num_tokens:
@@ -152,8 +149,7 @@ class PagedBatch:
                                                  checked=True)
         kk, vv = self.pool.gather(layer, self.decode_blocks)  # [B, kv_heads, S', D]
         kk, vv = kk[:, :, :self.decode_len], vv[:, :, :self.decode_len]
-        mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
-        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[:, None, None, :])
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=self.decode_mask)
 
     def advance(self, steps: int) -> None:
         """Nothing to do: the engine advances each sequence's `num_computed_tokens`."""

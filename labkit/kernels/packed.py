@@ -18,15 +18,13 @@ GPU tensor, a dtype it does not pack), `pack_model` returns the model itself.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from labkit.kernels import native
-
-MATRICES = ("qkv", "o_proj", "gate_up", "down")
+from labkit.models.llama import MATRICES, shallow_copy
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -78,10 +76,7 @@ def pack_model(model, native_gemv: bool = True):
     cached = copies.get(key)
     if cached is not None and all(k.weight is w for k, w in zip(_matrices(cached), weights, strict=True)):
         return cached
-    out = copy.copy(model)
-    out.__dict__ = dict(model.__dict__)
-    for registry in ("_parameters", "_buffers", "_modules"):  # nn.Module's own: not shared
-        out.__dict__[registry] = dict(model.__dict__[registry])
+    out = shallow_copy(model)
     out.layers = [dataclasses.replace(layer, **{name: PackedLinear(getattr(layer, name), native_gemv)
                                                 for name in MATRICES})
                   for layer in model.layers]

@@ -12,6 +12,7 @@ a KV head are stacked along the sequence axis instead (see `grouped_attention`).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,9 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
 
+MATRICES = ("qkv", "o_proj", "gate_up", "down")  # the matrices of each layer (the rest: norms)
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
@@ -214,6 +218,17 @@ class Llama(torch.nn.Module):
 
     def new_cache(self, batch: int = 1, max_len: int = 2048) -> KVCache:
         return KVCache.empty(self.config, batch, max_len, self.dtype)
+
+
+def shallow_copy(model: Llama) -> Llama:
+    """A copy of `model` that shares its tensors. Attributes set on the copy (its layers, its
+    embedding or head, even a module in place of a tensor) leave the original alone, so
+    experiments can swap weights or kernels on a copy."""
+    out = copy.copy(model)
+    out.__dict__ = dict(model.__dict__)
+    for registry in ("_parameters", "_buffers", "_modules"):  # nn.Module's own: not shared
+        out.__dict__[registry] = dict(model.__dict__[registry])
+    return out
 
 
 def _aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:

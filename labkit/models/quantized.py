@@ -17,16 +17,13 @@ The two agree up to float rounding (the kernel dequantizes the same integers and
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 
 from labkit.kernels.quant import (QuantizedInt4Linear, QuantizedInt8Linear, quantize_int4,
                                   quantize_int8)
-from labkit.models.llama import LayerWeights, Llama
-
-MATRICES = ("qkv", "o_proj", "gate_up", "down")  # the quantized matrices of each layer
+from labkit.models.llama import MATRICES, LayerWeights, Llama, shallow_copy
 EMBEDDING_SIDES = ("none", "input", "output", "both")
 
 
@@ -77,7 +74,7 @@ def quantize_model(model: Llama, scheme: str = "int8", group_size: int | None = 
     """
     if embedding not in EMBEDDING_SIDES:
         raise ValueError(f"embedding must be one of {EMBEDDING_SIDES}")
-    new = copy.copy(model)  # shares config, tokenizer, norms and RoPE tables
+    new = shallow_copy(model)  # shares config, tokenizer, norms and RoPE tables
     if layers:
         new.layers = [LayerWeights(**{name: fake_quantize(t, scheme, group_size)
                                       if name in MATRICES else t
