@@ -1,6 +1,7 @@
-"""labkit's C decode kernels against PyTorch: the matrix-vector product against F.linear,
-paged decode attention against gathering the blocks and calling SDPA; bad tables are
-refused before the kernel reads anything; without a compiler everything falls back."""
+"""labkit's C kernels against PyTorch: the matrix-vector product against F.linear, paged
+attention (decode rows, whole prompts, prompt chunks after a cached prefix, all packed in
+one call) against gathering each sequence's blocks and calling SDPA; bad tables and tiles
+are refused before the kernel reads anything; without a compiler everything falls back."""
 
 import pytest
 import torch
@@ -79,10 +80,89 @@ def test_bad_tables_are_refused_before_the_kernel_reads():
     for bad in (torch.tensor([0, 1, 1]), torch.tensor([1, 1, tables.shape[1] * 4 + 1])):
         with pytest.raises(ValueError, match="length"):
             native.paged_decode_attention(keys, values, tables, bad, q)
-    with pytest.raises(ValueError, match="one table row"):
+    with pytest.raises(ValueError, match="table row"):
         native.paged_decode_attention(keys, values, tables[:2], lengths, q)
     with pytest.raises(ValueError, match="contiguous"):
         native.paged_decode_attention(keys.transpose(2, 3), values, tables, lengths, q)
+
+
+def packed_case(seed, block_size, kv_heads, group, dim, segments, blocks=64, spread=1.0):
+    """A pool, tables and packed query rows for `segments` of (new rows, cached positions
+    before them): decode rows (1, n), whole prompts (n, 0), chunks after a prefix (n, m)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(blocks, kv_heads, dim, block_size, generator=g)
+    values = torch.randn(blocks, kv_heads, block_size, dim, generator=g)
+    width = max(-(-(n + start) // block_size) for n, start in segments)
+    tables = torch.randint(0, blocks, (len(segments), width), generator=g)
+    rows = sum(n for n, _ in segments)
+    q = torch.randn(rows, kv_heads, group, dim, generator=g) * spread
+    spans, row = [], 0
+    for b, (n, start) in enumerate(segments):
+        spans.append((b, row, n, start))
+        row += n
+    return keys, values, tables, spans, q
+
+
+def reference_packed(keys, values, tables, spans, q):
+    """Each segment alone: gather its blocks, then causal SDPA with the query rows placed
+    after their cached prefix (an explicit mask: row i sees positions 0 .. start + i)."""
+    kv_heads, dim = keys.shape[1], keys.shape[2]
+    out = torch.empty_like(q)
+    for b, row, n, start in spans:
+        k = keys[tables[b]].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)[:, :start + n]
+        v = values[tables[b]].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :start + n]
+        qq = q[row:row + n].permute(1, 2, 0, 3)  # [kv_heads, group, n, D]
+        mask = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(qq, k[:, None], v[:, None], attn_mask=mask)
+        out[row:row + n] = o.permute(2, 0, 1, 3)
+    return out
+
+
+@pytest.mark.parametrize("block_size, kv_heads, group, dim", [(16, 3, 3, 64), (4, 2, 1, 8), (1, 1, 4, 16), (8, 4, 2, 12)])
+@pytest.mark.parametrize("tile_rows", [1, 5, 16])
+def test_paged_attention_of_a_packed_step_equals_sdpa_per_sequence(block_size, kv_heads, group, dim, tile_rows):
+    # Decode rows, whole prompts and chunks after a cached prefix, packed in one step; the
+    # prefixes start and end inside blocks as well as on their edges.
+    segments = [(1, 40), (37, 0), (1, 0), (20, 19), (block_size, block_size), (3, 61), (1, 7)]
+    keys, values, tables, spans, q = packed_case(dim + group, block_size, kv_heads, group, dim, segments)
+    tiles = native.tiles_for(spans, tile_rows)
+    got = native.paged_attention(keys, values, tables, tiles, q)
+    torch.testing.assert_close(got, reference_packed(keys, values, tables, spans, q), rtol=1e-5, atol=2e-6)
+
+
+def test_paged_attention_with_peaked_softmax_over_long_prompts():
+    segments = [(130, 0), (77, 50), (1, 200)]
+    keys, values, tables, spans, q = packed_case(9, 16, 3, 3, 64, segments, spread=6.0)
+    got = native.paged_attention(keys, values, tables, native.tiles_for(spans), q)
+    torch.testing.assert_close(got, reference_packed(keys, values, tables, spans, q), rtol=1e-4, atol=1e-5)
+
+
+def test_tiles_cut_segments_and_bad_tiles_are_refused():
+    assert native.tiles_for([(0, 0, 5, 3), (1, 5, 1, 9)], tile_rows=2).tolist() == [
+        [0, 0, 2, 3], [0, 2, 2, 5], [0, 4, 1, 7], [1, 5, 1, 9]]
+    keys, values, tables, spans, q = packed_case(2, 4, 2, 2, 8, [(6, 0), (1, 5)], blocks=8)
+    tiles = native.tiles_for(spans, 4)  # rows 0-3, 4-5 of sequence 0; row 6 of sequence 1
+    cases = {
+        "table row": [[0, 0, 4, 0], [0, 4, 2, 4], [2, 6, 1, 5]],
+        "exactly once": [[0, 0, 4, 0], [0, 3, 2, 3], [1, 6, 1, 5]],
+        "capacity": [[0, 0, 4, 0], [0, 4, 2, 4], [1, 6, 1, 4 * tables.shape[1]]],
+        "at least one row": [[0, 0, 4, 0], [0, 4, 0, 4], [0, 4, 2, 4], [1, 6, 1, 5]],
+    }
+    for message, bad in cases.items():
+        with pytest.raises(ValueError, match=message):
+            native.paged_attention(keys, values, tables, torch.tensor(bad), q)
+    bad_table = tables.clone()
+    bad_table[0, 0] = -1
+    with pytest.raises(ValueError, match="block id"):
+        native.paged_attention(keys, values, bad_table, tiles, q)
+
+
+def test_a_tile_too_big_for_the_kernels_scratch_is_refused(monkeypatch):
+    keys, values, tables, spans, q = packed_case(3, 4, 2, 2, 8, [(6, 0)], blocks=8)
+    monkeypatch.setattr(native, "TILE_SCRATCH_BYTES", 5 * 2 * (2 * 8 + 4) * 4)  # five rows' worth
+    native.paged_attention(keys, values, tables, native.tiles_for(spans, 5), q)
+    with pytest.raises(ValueError, match="scratch"):
+        native.paged_attention(keys, values, tables, native.tiles_for(spans, 6), q)
 
 
 def test_without_a_compiler_load_says_why(tmp_path, monkeypatch):

@@ -33,8 +33,8 @@ class EngineConfig:
     kv_cache_tokens: int = 32_768      # size of the KV pool, in token slots
     max_model_len: int | None = None   # prompt + output limit; None: the model's RoPE table
     prefix_caching: bool = True
-    fast_kernels: bool = True          # oneDNN-packed weights, labkit's C decode kernels (where
-                                       # they build); False: F.linear and gather + SDPA
+    fast_kernels: bool = True          # oneDNN-packed weights, labkit's C kernels (where they
+                                       # build); False: F.linear and gather + SDPA
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property

@@ -4,18 +4,20 @@
 Position p of a sequence lives in block `block_table[p // block_size]`, slot
 `p % block_size`. Inside a block, each KV head's values are stored slot by slot
 ([block_size, head_dim]) and its keys transposed ([head_dim, block_size]), so a block of
-one head is two contiguous runs of memory, and a decode kernel can score a query against
-all the block's keys with plain vector arithmetic (one multiply-add per key dimension
-covers every slot at once) instead of one dot product per slot.
+one head is two contiguous runs of memory, and an attention kernel can score a query
+against all the block's keys with plain vector arithmetic (one multiply-add per key
+dimension covers every slot at once) instead of one dot product per slot.
 
 `PagedBatch` is one engine step's view of that memory. The step packs the new tokens of
 every scheduled sequence into one row ([1, total_tokens]), so the matrix products run
 once for all of them; `Llama.forward` then asks the batch, layer by layer, to `attend`:
 the batch writes the new keys and values into their slots and computes each sequence's
-attention over the blocks its table names. Decode tokens (one per sequence) are attended
-together, by labkit's C kernel reading the blocks in place where it builds, else by
-gathering the blocks and one padded SDPA call; prefill chunks are gathered and attended
-one sequence at a time.
+attention over the blocks its table names. Where labkit's C kernel builds, one call per
+layer does that for every packed row at once (decode tokens and prompt chunks alike),
+reading the blocks in place (`labkit.kernels.native.paged_attention`). The reference
+path, which the tests hold the kernel to, uses PyTorch: decode tokens gather their blocks
+for one padded SDPA call, a whole prompt uses SDPA's causal kernel on its own keys and
+values, and a chunk after a cached prefix gathers its blocks and attends alone.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class KVPool:
         layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
         self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype)
         self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype)
-        # Decode attention by labkit's C kernel where it builds, else gather + SDPA.
+        # Attention by labkit's C kernel where it builds, else gather + SDPA.
         self.native = native_attention and dtype == torch.float32 and native.load() is not None
 
     @property
@@ -84,7 +86,7 @@ class PagedBatch:
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], counts: list[int]):
         self.pool = pool
         bs = pool.block_size
-        positions, new_blocks, new_slots, self.prefill, decode = [], [], [], [], []
+        positions, new_blocks, new_slots, segments, self.prefill, decode = [], [], [], [], [], []
         row, self.end = 0, 0
         for table, start, count in zip(tables, starts, counts):
             length = start + count
@@ -95,27 +97,38 @@ class PagedBatch:
             new_blocks.append(blocks[new // bs])  # (block, slot) of each new token
             new_slots.append(new % bs)
             segment = Segment(slice(row, row + count), start, blocks, length)
+            segments.append(segment)
             (decode if count == 1 else self.prefill).append(segment)
             row += count
         self._positions = torch.cat(positions)
         self.new_blocks, self.new_slots = torch.cat(new_blocks), torch.cat(new_slots)
         self.num_tokens = row
+        self.native = pool.native
+        if self.native:
+            # One kernel call per layer attends every packed row over its own sequence's
+            # blocks, read in place; the tables and tiles are checked once here for all layers.
+            width = max((len(s.blocks) for s in segments), default=1)
+            tables = torch.zeros(len(segments), width, dtype=torch.long)
+            for i, s in enumerate(segments):
+                tables[i, :len(s.blocks)] = s.blocks
+            tiles = native.tiles_for([(i, s.rows.start, s.rows.stop - s.rows.start, s.start)
+                                      for i, s in enumerate(segments)])
+            self.tables, self.tiles = native.check_tiles(tables, tiles, row, pool.num_blocks, bs,
+                                                         pool.config.group_size, pool.config.head_dim)
+            return
         self.decode_rows = torch.tensor([s.rows.start for s in decode], dtype=torch.long)
         self.decode_only = not self.prefill  # then decode row i is packed row i
         if decode:
-            # Tables padded with block 0 to the longest; lengths say what is context.
+            # Tables padded with block 0 to the longest; lengths say what is context, and
+            # one padding mask serves every layer.
             self.decode_len = max(s.length for s in decode)
             width = -(-self.decode_len // bs)
             self.decode_blocks = torch.zeros(len(decode), width, dtype=torch.long)
             for i, s in enumerate(decode):
                 self.decode_blocks[i, :len(s.blocks)] = s.blocks
             self.decode_lengths = torch.tensor([s.length for s in decode])
-            if pool.native:  # checked once here for every layer's call
-                native.check_tables(self.decode_blocks, self.decode_lengths, len(decode),
-                                    pool.num_blocks, bs)
-            else:  # the reference path's padding mask, shared by every layer
-                mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
-                self.decode_mask = mask[:, None, None, :]
+            mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
+            self.decode_mask = mask[:, None, None, :]
 
     def positions(self, steps: int, limit: int) -> torch.Tensor:
         if steps != self.num_tokens:
@@ -126,6 +139,10 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, kv_heads, group, N, D]; k, v: [1, kv_heads, N, D] for the N packed tokens
         self.pool.write(layer, self.new_blocks, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        if self.native:
+            out = native.paged_attention(self.pool.keys[layer], self.pool.values[layer], self.tables,
+                                         self.tiles, q[0].permute(2, 0, 1, 3), checked=True)
+            return out.permute(1, 2, 0, 3).unsqueeze(0)
         if self.decode_only:
             return self._decode(layer, q[0].permute(2, 0, 1, 3)).permute(1, 2, 0, 3).unsqueeze(0)
         out = torch.empty_like(q)
@@ -143,10 +160,6 @@ class PagedBatch:
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, kv_heads, group, D]: each decode row's one query over its whole context."""
-        if self.pool.native:
-            return native.paged_decode_attention(self.pool.keys[layer], self.pool.values[layer],
-                                                 self.decode_blocks, self.decode_lengths, q,
-                                                 checked=True)
         kk, vv = self.pool.gather(layer, self.decode_blocks)  # [B, kv_heads, S', D]
         kk, vv = kk[:, :, :self.decode_len], vv[:, :, :self.decode_len]
         return F.scaled_dot_product_attention(q, kk, vv, attn_mask=self.decode_mask)
