@@ -47,6 +47,16 @@ def test_decode_attention_timings_compare_the_two_ways():
         assert isinstance(result["C kernel"], Timing) and result["max_abs_diff"] < 1e-5
 
 
+def test_prefill_attention_timings_compare_the_two_ways():
+    config = make_tiny_llama().config
+    result = kernels.prefill_attention_timings(config, [5, 17, 1, 40], repeats=2)
+    assert result["rows"] == 63 and isinstance(result["causal SDPA per prompt"], Timing)
+    if native.load() is None:
+        assert result["C kernel"].startswith("NOT_RUN")
+    else:
+        assert isinstance(result["C kernel"], Timing) and result["max_abs_diff"] < 1e-5
+
+
 def test_bench_table_reads_a_summary(tmp_path):
     summary = {"figures": [
         {"name": "decode", "what": "w", "value": 30.0, "baseline": 15.0, "unit": "tokens/s", "ratio": 2.0,

@@ -1,6 +1,7 @@
-"""The engine's decode kernels measured against the library ones (chapter 18): the decode
-step with each way of doing the matrix products, decode attention over a paged pool in C
-against gathering the blocks and calling SDPA, and a `labkit bench` record as a table."""
+"""The engine's kernels measured against the library ones (chapter 18): the decode step
+with each way of doing the matrix products, paged attention in C against PyTorch (decode:
+gather the blocks and one padded SDPA call; prefill: SDPA's causal kernel per prompt), and
+a `labkit bench` record as a table."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from labkit.bench.compilation import forward_step, greedy_decode, prefill, step_at
 from labkit.bench.timing import Timing, measure
-from labkit.engine.paged_cache import KVPool
+from labkit.engine.paged_cache import KVPool, causal_attention
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
 from labkit.models.llama import MATRICES
@@ -80,6 +81,51 @@ def decode_attention_timings(config, batch: int, longest: int, repeats: int,
     run = lambda: native.paged_decode_attention(pool.keys[0], pool.values[0], tables, lengths, q)  # noqa: E731
     out["C kernel"] = measure(run, repeats=repeats)
     out["max_abs_diff"] = float((run() - gathered_attention(pool, tables, lengths, q)).abs().max())
+    return out
+
+
+def prefill_attention_timings(config, lengths: list[int], repeats: int,
+                              seed: int = 0) -> dict[str, Timing | float | str]:
+    """One layer's attention for a prefill step that packs whole prompts of these lengths,
+    timed both ways: SDPA's causal kernel on each prompt's own keys and values (the engine's
+    reference path), and the C kernel reading them from a paged pool (one call for the
+    step). `max_abs_diff` compares the outputs; without the C kernel its entry is NOT_RUN."""
+    g = torch.Generator().manual_seed(seed)
+    kv_heads, group, dim = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    rows = sum(lengths)
+    q = torch.randn(1, kv_heads, group, rows, dim, generator=g)
+    k, v = torch.randn(1, kv_heads, rows, dim, generator=g), torch.randn(1, kv_heads, rows, dim, generator=g)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+
+    def sdpa():
+        out = torch.empty_like(q)
+        for start, n in zip(starts, lengths):
+            span = slice(start, start + n)
+            out[:, :, :, span] = causal_attention(q[:, :, :, span], k[:, :, span], v[:, :, span])
+        return out
+
+    out = {"rows": rows, "causal SDPA per prompt": measure(sdpa, repeats=repeats)}
+    if native.load() is None:
+        out["C kernel"] = f"NOT_RUN: {native.why_unavailable()}"
+        return out
+    # The same keys and values written into a pool, each prompt's blocks scattered in it.
+    block_size = 16
+    widths = [-(-n // block_size) for n in lengths]
+    layer = type(config)(**{**vars(config), "num_layers": 1})
+    pool = KVPool(layer, sum(widths), block_size)
+    order = torch.randperm(sum(widths), generator=g).tolist()
+    tables = torch.zeros(len(lengths), max(widths), dtype=torch.long)
+    for i, (start, n) in enumerate(zip(starts, lengths)):
+        blocks = order[sum(widths[:i]):sum(widths[:i + 1])]
+        tables[i, :len(blocks)] = torch.tensor(blocks)
+        positions = torch.arange(n)
+        pool.write(0, tables[i][positions // block_size], positions % block_size,
+                   k[0, :, start:start + n].transpose(0, 1), v[0, :, start:start + n].transpose(0, 1))
+    tiles = native.tiles_for([(i, start, n, 0) for i, (start, n) in enumerate(zip(starts, lengths))])
+    rows_q = q[0].permute(2, 0, 1, 3).contiguous()
+    run = lambda: native.paged_attention(pool.keys[0], pool.values[0], tables, tiles, rows_q)  # noqa: E731
+    out["C kernel"] = measure(run, repeats=repeats)
+    out["max_abs_diff"] = float((run().permute(1, 2, 0, 3)[None] - sdpa()).abs().max())
     return out
 
 
