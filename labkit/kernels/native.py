@@ -65,22 +65,57 @@ void labkit_gemv(const float* W, const float* X, float* Y, long rows, long out, 
   }
 }
 
-/* exp(x) for x <= 0 (softmax weights), to float precision (Cephes' expf polynomial):
-   written out so the compiler can vectorize it, which it will not do for libm's expf. */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = floorf(x * 1.44269504088896341f + 0.5f);
+/* ---- paged attention ----------------------------------------------------------------- */
+
+/* Vector types (a GCC and Clang extension): the compiler maps them onto whatever vector
+   registers the machine has. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int v16i __attribute__((vector_size(64)));
+typedef int v8i __attribute__((vector_size(32)));
+typedef int v4i __attribute__((vector_size(16)));
+
+static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline v16 select16(v16i mask, v16 yes, v16 no) {
+  return (v16)((mask & (v16i)yes) | (~mask & (v16i)no));
+}
+static inline v8 select8(v8i mask, v8 yes, v8 no) { return (v8)((mask & (v8i)yes) | (~mask & (v8i)no)); }
+static inline v4 select4(v4i mask, v4 yes, v4 no) { return (v4)((mask & (v4i)yes) | (~mask & (v4i)no)); }
+
+/* exp(x) for x <= 0 (softmax weights) on 16 lanes, to float precision (Cephes' expf
+   polynomial): written out so the compiler vectorizes it, which it will not do for libm's. */
+static inline v16 exp16(v16 x) {
+  const v16 zero = {0};
+  x = select16(x < -87.0f, zero - 87.0f, x);
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
   x -= n * 0.693359375f;
   x -= n * -2.12194440e-4f;
-  const float z = x * x;
-  float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
-              + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  const v16 z = x * x;
+  v16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
+            + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  union { int i; float f; } scale = { .i = ((int)n + 127) << 23 };
-  return y * scale.f;
+  return y * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
 }
 
-/* ---- paged attention ----------------------------------------------------------------- */
+static inline float exp_nonpositive(float x) {  /* the same for one value */
+  const v16 lanes = {x};
+  return exp16(lanes)[0];
+}
+
+/* The maximum (max = 1) or the sum (max = 0) of 16 lanes, folding halves in registers. */
+static inline float reduce16(v16 x, int max) {
+  v8 a, b;
+  __builtin_memcpy(&a, &x, 32), __builtin_memcpy(&b, (char*)&x + 32, 32);
+  a = max ? select8(a > b, a, b) : a + b;
+  v4 c, d;
+  __builtin_memcpy(&c, &a, 16), __builtin_memcpy(&d, (char*)&a + 16, 16);
+  c = max ? select4(c > d, c, d) : c + d;
+  const float x01 = max ? (c[0] > c[1] ? c[0] : c[1]) : c[0] + c[1];
+  const float x23 = max ? (c[2] > c[3] ? c[2] : c[3]) : c[2] + c[3];
+  return max ? (x01 > x23 ? x01 : x23) : x01 + x23;
+}
 
 /* The generic shape: one query's scores against a block, s[t] = q . k[:, t] (q pre-scaled). */
 static void block_scores(const float* k, const float* q, float* s, long bs, long dim) {
@@ -109,51 +144,9 @@ static void block_softmax(float* s, long visible, long bs, long dim, float* best
   for (long d = 0; d < dim; d++) acc[d] *= rescale;
 }
 
-/* The model's shape (block_size 16, head_dim 64), written with vector types: a block's key
-   row (16 slots) is one vector, a value row four. Queries go four at a time, so each key
-   and value row is loaded once per four queries and the partial sums stay in registers. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int v16i __attribute__((vector_size(64)));
-typedef int v8i __attribute__((vector_size(32)));
-typedef int v4i __attribute__((vector_size(16)));
-
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline v16 select16(v16i mask, v16 yes, v16 no) {
-  return (v16)((mask & (v16i)yes) | (~mask & (v16i)no));
-}
-static inline v8 select8(v8i mask, v8 yes, v8 no) { return (v8)((mask & (v8i)yes) | (~mask & (v8i)no)); }
-static inline v4 select4(v4i mask, v4 yes, v4 no) { return (v4)((mask & (v4i)yes) | (~mask & (v4i)no)); }
-
-/* exp_nonpositive on 16 lanes */
-static inline v16 exp16(v16 x) {
-  const v16 zero = {0};
-  x = select16(x < -87.0f, zero - 87.0f, x);
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-  x -= n * 0.693359375f;
-  x -= n * -2.12194440e-4f;
-  const v16 z = x * x;
-  v16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
-            + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  return y * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
-}
-
-/* The maximum (max = 1) or the sum (max = 0) of 16 lanes, folding halves in registers. */
-static inline float reduce16(v16 x, int max) {
-  v8 a, b;
-  __builtin_memcpy(&a, &x, 32), __builtin_memcpy(&b, (char*)&x + 32, 32);
-  a = max ? select8(a > b, a, b) : a + b;
-  v4 c, d;
-  __builtin_memcpy(&c, &a, 16), __builtin_memcpy(&d, (char*)&a + 16, 16);
-  c = max ? select4(c > d, c, d) : c + d;
-  const float x01 = max ? (c[0] > c[1] ? c[0] : c[1]) : c[0] + c[1];
-  const float x23 = max ? (c[2] > c[3] ? c[2] : c[3]) : c[2] + c[3];
-  return max ? (x01 > x23 ? x01 : x23) : x01 + x23;
-}
-
+/* The model's shape (block_size 16, head_dim 64): a block's key row (16 slots) is one
+   vector, a value row four. Queries go four at a time, so each key and value row is loaded
+   once per four queries and the partial sums stay in registers. */
 static void scores_16x64(const float* k, const float (*qs)[64], float (*s)[16], long first, long padded) {
   for (long qi = first; qi < padded; qi += 4) {
     v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
