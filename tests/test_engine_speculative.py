@@ -41,6 +41,20 @@ def test_full_depth_draft_is_always_accepted(tiny):
     assert stats.acceptance_rate == 1.0 and stats.verifications == 5  # 4 guesses + 1 bonus each
 
 
+def test_layer_skip_draft_of_a_packed_model_equals_the_plain_draft(tiny):
+    from labkit.kernels.packed import is_packed, pack_model
+    packed = pack_model(tiny)
+    plain_draft, packed_draft = LayerSkipDrafter(tiny, 2), LayerSkipDrafter(packed, 2)
+    assert len(packed_draft.model.layers) == 2 and packed_draft.model.lm_head is packed.lm_head
+    assert is_packed(packed_draft.model) == is_packed(packed) and len(tiny.layers) == 3
+    params, context = SamplingParams(temperature=0.0), [5, 6, 7, 8, 5, 6]
+    for d in (plain_draft, packed_draft):
+        d.reset(context)
+    assert packed_draft.propose(context, 4, params, 0)[0] == plain_draft.propose(context, 4, params, 0)[0]
+    out, _ = speculative_generate(packed, context, SamplingParams(temperature=0.0, max_tokens=12), packed_draft, k=3)
+    assert out == plain_greedy(tiny, context, 12)
+
+
 def test_accept_rule_counts():
     gen = step_generator(0, 0)
     p = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from labkit.models.llama import KVCache, Llama
+from labkit.models.llama import KVCache, Llama, shallow_copy
 from labkit.sampling import SamplingParams, probabilities, step_generator
 
 
@@ -67,9 +67,7 @@ class LayerSkipDrafter:
     def __init__(self, model: Llama, layers: int, sample: bool = False, max_len: int = 4096):
         if not 1 <= layers <= len(model.layers):
             raise ValueError(f"layers must be in [1, {len(model.layers)}]")
-        draft = Llama.__new__(Llama)
-        torch.nn.Module.__init__(draft)
-        draft.__dict__.update({k: v for k, v in model.__dict__.items() if not k.startswith("_")})
+        draft = shallow_copy(model)  # shares the weights, including packed ones
         draft.layers = model.layers[:layers]
         draft.config = replace(model.config, num_layers=layers)
         self.model, self.layers, self.sample, self.max_len = draft, layers, sample, max_len
