@@ -156,10 +156,7 @@ def slice_model(model: Llama, layers: int | None = None, dtype: torch.dtype | No
     """A shallow copy of `model` with only its first `layers` layers and/or its tensors cast
     to `dtype` and/or moved to `device` (for cheap compile experiments, and the GPU). The
     original is not modified."""
-    out = shallow_copy(model)
-    if layers is not None:
-        out.layers = model.layers[:layers]
-        out.config = dataclasses.replace(model.config, num_layers=layers)
+    out = shallow_copy(model, layers)
     if (dtype is not None and dtype != model.dtype) or device is not None:
         cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
         out.dtype = dtype or model.dtype

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from labkit.bench.compilation import forward_step, greedy_decode, prefill, step_at
 from labkit.bench.timing import Timing, measure
-from labkit.engine.paged_cache import KVPool, causal_attention
+from labkit.engine.paged_cache import KVPool, PagedBatch, causal_attention
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
 from labkit.models.llama import MATRICES
@@ -50,8 +50,7 @@ def random_pool(config, batch: int, longest: int, block_size: int = 16, seed: in
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, longest + 1, (batch,), generator=g)
     width = -(-longest // block_size)
-    layer = type(config)(**{**vars(config), "num_layers": 1})
-    pool = KVPool(layer, batch * width, block_size)
+    pool = KVPool(_one_layer(config), batch * width, block_size)
     pool.keys.normal_(generator=g)
     pool.values.normal_(generator=g)
     tables = torch.randperm(batch * width, generator=g).view(batch, width)
@@ -108,25 +107,26 @@ def prefill_attention_timings(config, lengths: list[int], repeats: int,
     if native.load() is None:
         out["C kernel"] = f"NOT_RUN: {native.why_unavailable()}"
         return out
-    # The same keys and values written into a pool, each prompt's blocks scattered in it.
+    # The engine's step over a pool whose blocks are handed out in random order: its first
+    # call writes the prompts' keys and values; then the kernel alone is timed.
     block_size = 16
     widths = [-(-n // block_size) for n in lengths]
-    layer = type(config)(**{**vars(config), "num_layers": 1})
-    pool = KVPool(layer, sum(widths), block_size)
+    pool = KVPool(_one_layer(config), sum(widths), block_size)
     order = torch.randperm(sum(widths), generator=g).tolist()
-    tables = torch.zeros(len(lengths), max(widths), dtype=torch.long)
-    for i, (start, n) in enumerate(zip(starts, lengths)):
-        blocks = order[sum(widths[:i]):sum(widths[:i + 1])]
-        tables[i, :len(blocks)] = torch.tensor(blocks)
-        positions = torch.arange(n)
-        pool.write(0, tables[i][positions // block_size], positions % block_size,
-                   k[0, :, start:start + n].transpose(0, 1), v[0, :, start:start + n].transpose(0, 1))
-    tiles = native.tiles_for([(i, start, n, 0) for i, (start, n) in enumerate(zip(starts, lengths))])
+    tables = [order[sum(widths[:i]):sum(widths[:i + 1])] for i in range(len(lengths))]
+    step = PagedBatch(pool, tables, [0] * len(lengths), lengths)
+    attended = step.attend(0, q, k, v)
     rows_q = q[0].permute(2, 0, 1, 3).contiguous()
-    run = lambda: native.paged_attention(pool.keys[0], pool.values[0], tables, tiles, rows_q)  # noqa: E731
+    run = lambda: native.paged_attention(pool.keys[0], pool.values[0], step.tables, step.tiles,  # noqa: E731
+                                         rows_q, checked=True)
     out["C kernel"] = measure(run, repeats=repeats)
-    out["max_abs_diff"] = float((run().permute(1, 2, 0, 3)[None] - sdpa()).abs().max())
+    out["max_abs_diff"] = float((attended - sdpa()).abs().max())
     return out
+
+
+def _one_layer(config):
+    """The config of a one-layer model: a pool for one layer's timing."""
+    return type(config)(**{**vars(config), "num_layers": 1})
 
 
 def bench_table(path: str | Path):

@@ -86,7 +86,7 @@ class PagedBatch:
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], counts: list[int]):
         self.pool = pool
         bs = pool.block_size
-        positions, new_blocks, new_slots, segments, self.prefill, decode = [], [], [], [], [], []
+        positions, new_blocks, new_slots, segments = [], [], [], []
         row, self.end = 0, 0
         for table, start, count in zip(tables, starts, counts):
             length = start + count
@@ -96,9 +96,7 @@ class PagedBatch:
             positions.append(new)
             new_blocks.append(blocks[new // bs])  # (block, slot) of each new token
             new_slots.append(new % bs)
-            segment = Segment(slice(row, row + count), start, blocks, length)
-            segments.append(segment)
-            (decode if count == 1 else self.prefill).append(segment)
+            segments.append(Segment(slice(row, row + count), start, blocks, length))
             row += count
         self._positions = torch.cat(positions)
         self.new_blocks, self.new_slots = torch.cat(new_blocks), torch.cat(new_slots)
@@ -107,25 +105,20 @@ class PagedBatch:
         if self.native:
             # One kernel call per layer attends every packed row over its own sequence's
             # blocks, read in place; the tables and tiles are checked once here for all layers.
-            width = max((len(s.blocks) for s in segments), default=1)
-            tables = torch.zeros(len(segments), width, dtype=torch.long)
-            for i, s in enumerate(segments):
-                tables[i, :len(s.blocks)] = s.blocks
             tiles = native.tiles_for([(i, s.rows.start, s.rows.stop - s.rows.start, s.start)
                                       for i, s in enumerate(segments)])
-            self.tables, self.tiles = native.check_tiles(tables, tiles, row, pool.num_blocks, bs,
-                                                         pool.config.group_size, pool.config.head_dim)
+            self.tables, self.tiles = native.check_tiles(_padded_tables(segments), tiles, row, pool.num_blocks,
+                                                         bs, pool.config.group_size, pool.config.head_dim)
             return
+        self.prefill = [s for s in segments if s.rows.stop - s.rows.start > 1]
+        decode = [s for s in segments if s.rows.stop - s.rows.start == 1]
         self.decode_rows = torch.tensor([s.rows.start for s in decode], dtype=torch.long)
         self.decode_only = not self.prefill  # then decode row i is packed row i
         if decode:
             # Tables padded with block 0 to the longest; lengths say what is context, and
             # one padding mask serves every layer.
+            self.decode_blocks = _padded_tables(decode)
             self.decode_len = max(s.length for s in decode)
-            width = -(-self.decode_len // bs)
-            self.decode_blocks = torch.zeros(len(decode), width, dtype=torch.long)
-            for i, s in enumerate(decode):
-                self.decode_blocks[i, :len(s.blocks)] = s.blocks
             self.decode_lengths = torch.tensor([s.length for s in decode])
             mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
             self.decode_mask = mask[:, None, None, :]
@@ -166,6 +159,14 @@ class PagedBatch:
 
     def advance(self, steps: int) -> None:
         """Nothing to do: the engine advances each sequence's `num_computed_tokens`."""
+
+
+def _padded_tables(segments: list[Segment]) -> torch.Tensor:
+    """The segments' block lists as one int64 table [len, longest], padded with block 0."""
+    tables = torch.zeros(len(segments), max((len(s.blocks) for s in segments), default=1), dtype=torch.long)
+    for i, s in enumerate(segments):
+        tables[i, :len(s.blocks)] = s.blocks
+    return tables
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ model's own first layers plus its head; no second model with this tokenizer ship
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,9 +67,7 @@ class LayerSkipDrafter:
     def __init__(self, model: Llama, layers: int, sample: bool = False, max_len: int = 4096):
         if not 1 <= layers <= len(model.layers):
             raise ValueError(f"layers must be in [1, {len(model.layers)}]")
-        draft = shallow_copy(model)  # shares the weights, including packed ones
-        draft.layers = model.layers[:layers]
-        draft.config = replace(model.config, num_layers=layers)
+        draft = shallow_copy(model, layers)  # shares the weights, including packed ones
         self.model, self.layers, self.sample, self.max_len = draft, layers, sample, max_len
         self.cache: KVCache | None = None
 

@@ -13,7 +13,7 @@ a KV head are stacked along the sequence axis instead (see `grouped_attention`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -220,14 +220,18 @@ class Llama(torch.nn.Module):
         return KVCache.empty(self.config, batch, max_len, self.dtype)
 
 
-def shallow_copy(model: Llama) -> Llama:
-    """A copy of `model` that shares its tensors. Attributes set on the copy (its layers, its
-    embedding or head, even a module in place of a tensor) leave the original alone, so
-    experiments can swap weights or kernels on a copy."""
+def shallow_copy(model: Llama, layers: int | None = None) -> Llama:
+    """A copy of `model` that shares its tensors, keeping only its first `layers` layers if
+    given. Attributes set on the copy (its layers, its embedding or head, even a module in
+    place of a tensor) leave the original alone, so experiments can swap weights or kernels
+    on a copy."""
     out = copy.copy(model)
     out.__dict__ = dict(model.__dict__)
     for registry in ("_parameters", "_buffers", "_modules"):  # nn.Module's own: not shared
         out.__dict__[registry] = dict(model.__dict__[registry])
+    if layers is not None:
+        out.layers = model.layers[:layers]
+        out.config = replace(model.config, num_layers=layers)
     return out
 
 
