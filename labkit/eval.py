@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-EVAL_TEXT = Path(__file__).resolve().parent.parent / "data" / "eval" / "python-docs-prose.txt"
+# The book's evaluation text, shipped inside the package (its source and licence:
+# labkit/data/eval/README.md). A path in a checkout, a resource in an installed wheel.
+EVAL_TEXT = resources.files("labkit") / "data" / "eval" / "python-docs-prose.txt"
 
 
 @dataclass
@@ -36,11 +39,12 @@ class Score:
         return math.exp(self.nats_per_token)
 
 
-def eval_text(path: str | Path = EVAL_TEXT) -> str:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"evaluation text {path} is missing (see data/README.md)")
-    return path.read_text(encoding="utf-8")
+def eval_text(path: str | Path | resources.abc.Traversable = EVAL_TEXT) -> str:
+    """The text at `path` (default: the book's evaluation text, `EVAL_TEXT`)."""
+    source = Path(path) if isinstance(path, str) else path
+    if not source.is_file():
+        raise FileNotFoundError(f"evaluation text {source} is missing (see labkit/data/eval/README.md)")
+    return source.read_text(encoding="utf-8")
 
 
 @torch.inference_mode()

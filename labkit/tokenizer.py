@@ -104,7 +104,7 @@ class TokenizerMeta:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's table from bytes to the printable characters byte-level BPE spells them with."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
@@ -163,7 +163,7 @@ def build_backend(fields: Mapping[str, Any], source: str = "") -> tuple[tokenize
 
     # Every real token is spelled in the byte alphabet. One that is not (llama.cpp writes a few
     # as plain text) is re-spelled from its UTF-8 bytes, as transformers does.
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
 
     def spelled(token: str) -> str:
@@ -247,7 +247,7 @@ def cache_key(path: str | os.PathLike) -> str:
 
 
 def default_cache_dir() -> Path:
-    from labkit.models.registry import cache_root
+    from labkit.util.paths import cache_root
 
     return cache_root() / "tokenizers"
 
@@ -309,7 +309,7 @@ class Tokenizer:
     ) -> Tokenizer:
         """The tokenizer a GGUF file describes, from the cache when it has been built before.
 
-        ``cache_dir`` defaults to ``labkit.models.registry.cache_root() / "tokenizers"``;
+        ``cache_dir`` defaults to ``labkit.util.paths.cache_root() / "tokenizers"``;
         ``use_cache=False`` builds from the file and writes nothing.
         """
         path = Path(path)

@@ -14,7 +14,7 @@ import pytest
 from labkit.book import profile as prof
 from labkit.book import runner
 from labkit.book.results import NOT_RUN, Results, chapter_id, results_root
-from labkit.bench.environment import capture
+from labkit.util.environment import capture
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from labkit.engine import checks
+from labkit.experiments import part_checks as checks
+from labkit.experiments import sampler_streams
 from labkit.engine.contracts import (Backend, EngineModel, Loop, Sampler, TokenizerLike, TransformersBackend,
                                      conformance_problems, conforms)
 from labkit.engine.loop import generate
@@ -185,31 +186,31 @@ def test_check_result_row():
 
 
 def test_stream_counts():
-    assert checks.distinct_streams(100, 32, scheme="naive") == 131
-    assert checks.distinct_streams(100, 32) == 3200
+    assert sampler_streams.distinct_streams(100, 32, scheme="naive") == 131
+    assert sampler_streams.distinct_streams(100, 32) == 3200
 
 
 def test_stream_draws_naive_depends_only_on_seed_plus_step():
-    naive = checks.stream_draws(5, 6, scheme="naive")
+    naive = sampler_streams.stream_draws(5, 6, scheme="naive")
     assert naive.shape == (5, 6)
     assert all(naive[r, k] == naive[r + 1, k - 1] for r in range(4) for k in range(1, 6))
-    fixed = checks.stream_draws(5, 6)
+    fixed = sampler_streams.stream_draws(5, 6)
     assert not any(fixed[r, k] == fixed[r + 1, k - 1] for r in range(4) for k in range(1, 6))
 
 
 def test_shifted_copies_under_the_naive_scheme(next_logits):
     params = SamplingParams(temperature=1.0)
-    a = checks.fixed_logits_tokens(next_logits, params, seed=1, steps=32, scheme="naive")
-    b = checks.fixed_logits_tokens(next_logits, params, seed=2, steps=32, scheme="naive")
-    assert checks.shifted_matches(a, b) == 31 and len(set(a)) > 10
-    a = checks.fixed_logits_tokens(next_logits, params, seed=1, steps=32)
-    b = checks.fixed_logits_tokens(next_logits, params, seed=2, steps=32)
-    assert checks.shifted_matches(a, b) < 5
+    a = sampler_streams.fixed_logits_tokens(next_logits, params, seed=1, steps=32, scheme="naive")
+    b = sampler_streams.fixed_logits_tokens(next_logits, params, seed=2, steps=32, scheme="naive")
+    assert sampler_streams.shifted_matches(a, b) == 31 and len(set(a)) > 10
+    a = sampler_streams.fixed_logits_tokens(next_logits, params, seed=1, steps=32)
+    b = sampler_streams.fixed_logits_tokens(next_logits, params, seed=2, steps=32)
+    assert sampler_streams.shifted_matches(a, b) < 5
 
 
 def test_shifted_matches_counts():
-    assert checks.shifted_matches([1, 2, 3, 4], [2, 3, 4, 9]) == 3
-    assert checks.shifted_matches([1, 2, 3], [1, 2, 3]) == 0
+    assert sampler_streams.shifted_matches([1, 2, 3, 4], [2, 3, 4, 9]) == 3
+    assert sampler_streams.shifted_matches([1, 2, 3], [1, 2, 3]) == 0
 
 
 # --------------------------------------------------------------------------- baseline

@@ -5,17 +5,16 @@ import pytest
 import torch
 
 from conftest import random_qkv as qkv
-from labkit.bench.attention_cost import reference_attention
+from labkit.experiments.attention_cost import reference_attention
 from labkit.kernels.attention import decode_attention, naive_attention
-from labkit.kernels.blockwise import (allocation_peak, blockwise_attention,
-                                      blockwise_decode_attention, compare_methods, sdpa_backend,
-                                      working_set_bytes)
+from labkit.experiments.blockwise_attention import allocation_peak, compare_methods
+from labkit.kernels.blockwise import blockwise_attention, blockwise_decode_attention, sdpa_backend, working_set_bytes
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
     """Many tiny tensor operations: one thread avoids waiting for a second on a busy machine."""
-    from labkit.bench.timing import num_threads
+    from labkit.util.timing import num_threads
 
     with num_threads(1):
         yield
@@ -159,7 +158,7 @@ def test_frames_ratios_and_plots():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from labkit.kernels.blockwise import plot_peaks, plot_ratios, plot_times, records_frame, time_ratios
+    from labkit.experiments.blockwise_attention import plot_peaks, plot_ratios, plot_times, records_frame, time_ratios
 
     rows = [{"method": m, "length": n, "median_s": t * n, "peak_bytes": 2**20 * n,
              "result_bytes": 2**20, "extra_bytes": 2**20 * (n - 1), "score_bytes": 2**20 * n * n}
@@ -174,7 +173,7 @@ def test_frames_ratios_and_plots():
     plot_ratios(c, ratios)
     assert len(a.lines) == 3 and len(b.lines) == 2
     plt.close(fig)
-    from labkit.kernels.blockwise import plot_block_sizes
+    from labkit.experiments.blockwise_attention import plot_block_sizes
 
     df["block"] = [32, 64, 32, 64]
     fig, (a, b) = plt.subplots(1, 2)

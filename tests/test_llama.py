@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import PROMPTS
-from labkit.models.llama import KVCache, grouped_attention
+from conftest import PROMPTS, make_tiny_llama
+from labkit.models.llama import KVCache, LayerWeights, grouped_attention, shallow_copy
 
 
 def _ids(model, text):
@@ -67,8 +67,77 @@ def test_parameter_count_matches_reference(model, reference):
 
 def test_weights_are_64_byte_aligned(model):
     tensors = [model.embed, model.final_norm] + [t for layer in model.layers
-                                                for t in vars(layer).values()]
+                                                for t in layer.weights().values()]
     assert all(t.data_ptr() % 64 == 0 for t in tensors)
+
+
+def test_weights_are_parameters_buffers_and_state(model):
+    layer_keys = [f"layers.{i}.{n}" for i in range(model.config.num_layers) for n in LayerWeights.WEIGHTS]
+    assert sorted(model.state_dict()) == sorted(["embed", "lm_head", "final_norm"] + layer_keys)
+    assert model.lm_head is model.embed  # tied: one Parameter under two names ...
+    assert len(list(model.parameters())) == 2 + len(layer_keys)  # ... listed once
+    assert sum(p.numel() for p in model.parameters()) == model.num_parameters()
+    assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in model.parameters())
+    assert [n for n, _ in model.named_buffers()] == ["rope_cos", "rope_sin"]
+
+
+def test_to_bfloat16_converts_everything_and_keeps_the_tie():
+    model = make_tiny_llama(seed=1)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    want = model(ids)
+    copy = shallow_copy(model)
+    assert model.to(torch.bfloat16) is model and model.dtype == torch.bfloat16
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert len(tensors) == 2 + 2 + 6 * model.config.num_layers  # embed, final_norm, rope tables
+    assert all(t.dtype == torch.bfloat16 for t in tensors)
+    assert model.lm_head is model.embed and model._parameters["lm_head"] is model.embed
+    assert model.new_cache(1, 8).keys.dtype == torch.bfloat16
+    out = model(ids)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert (out.float() - want).abs().max() < 0.1 * want.abs().max()
+    # a copy made before keeps its own float32 tensors (and the reverse: see below)
+    assert copy.dtype == torch.float32 and copy.layers[0].qkv.dtype == torch.float32
+    assert torch.equal(copy(ids), want)
+    small = shallow_copy(copy, 1).to(torch.bfloat16)
+    assert small.lm_head is small.embed and small.layers[0].down.dtype == torch.bfloat16
+    assert copy.dtype == torch.float32 and copy.layers[0].down.dtype == torch.float32
+
+
+def test_packed_copy_leaves_the_original_layers_alone():
+    from labkit.kernels.packed import PackedLinear, available, pack_model
+
+    model = make_tiny_llama(seed=2)
+    if not available(model.embed):
+        pytest.skip("no oneDNN in this torch")
+    before = [dict(layer.weights()) for layer in model.layers]
+    layers, embed = list(model.layers), model.embed
+    packed = pack_model(model)
+    assert packed is not model and isinstance(packed.layers[0].qkv, PackedLinear)
+    assert isinstance(packed.lm_head, PackedLinear) and packed.embed is embed
+    assert list(model.layers) == layers and model.lm_head is model.embed is embed
+    for layer, weights in zip(model.layers, before, strict=True):
+        assert all(getattr(layer, n) is w and type(w) is torch.nn.Parameter for n, w in weights.items())
+    assert sorted(model.state_dict()) == sorted(shallow_copy(model).state_dict())
+    assert packed.layers[0].qkv.weight is model.layers[0].qkv  # shared, not copied
+
+
+def test_layer_replaced_and_slot_assignment():
+    model = make_tiny_llama(seed=3)
+    layer = model.layers[0]
+    doubled = layer.replaced(down=layer.down * 2)
+    assert doubled is not layer and doubled.qkv is layer.qkv and torch.equal(doubled.down, 2 * layer.down)
+    assert isinstance(doubled.down, torch.nn.Parameter) and not doubled.down.requires_grad
+    module = torch.nn.Identity()
+    swapped = layer.replaced(qkv=module)
+    assert swapped.qkv is module and "qkv" not in dict(swapped.named_parameters())
+    assert isinstance(layer.qkv, torch.nn.Parameter)  # the original keeps its tensor
+    with pytest.raises(TypeError):
+        layer.replaced(bias=layer.down)
+    copy = shallow_copy(model)
+    copy.lm_head = module  # a module in place of the tied head, on the copy only
+    assert copy.lm_head is module and copy.embed is model.embed and model.lm_head is model.embed
+    copy.lm_head = copy.embed  # and back: tied again
+    assert copy.lm_head is copy.embed and "lm_head" not in copy._modules
 
 
 def test_cache_bytes_per_token(model):

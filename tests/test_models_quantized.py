@@ -8,11 +8,10 @@ import torch
 
 from labkit.eval import eval_text
 from labkit.kernels.quant import quantize_int4, quantize_int8
-from labkit.models.quantized import (QuantizedLlama, decode_runner, fake_quantize,
-                                     error_over_bound, greedy_tokens, gguf_group,
-                                     measure_interleaved, paired_difference,
-                                     quantize_model, reconstruction_error, storage_rows,
-                                     stored_bytes, teacher_forced_matches, window_scores)
+from labkit.experiments.quantization import (decode_runner, greedy_tokens, measure_interleaved,
+                                             paired_difference, teacher_forced_matches, window_scores)
+from labkit.models.quantized import (QuantizedLlama, error_over_bound, fake_quantize, gguf_group,
+                                     quantize_model, reconstruction_error, storage_rows, stored_bytes)
 
 PROMPT = "An inference engine takes a trained model and a request, and it must"
 
@@ -59,7 +58,9 @@ def test_quantize_model_leaves_the_original_alone(model, fake):
     assert not torch.equal(fake["int4"].layers[0].down, model.layers[0].down)
     assert fake["int4"].layers[0].attn_norm is model.layers[0].attn_norm
     q_in = quantize_model(model, "int4", embedding="input", layers=False)
-    assert q_in.lm_head is model.lm_head and q_in.layers is model.layers
+    assert q_in.lm_head is model.lm_head and len(q_in.layers) == len(model.layers)
+    assert all(a is b for la, lb in zip(q_in.layers, model.layers, strict=True)  # shared weights
+               for a, b in zip(la.weights().values(), lb.weights().values(), strict=True))
 
 
 def test_stored_bytes_match_the_quantizers(model):

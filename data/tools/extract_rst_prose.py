@@ -1,7 +1,8 @@
 """Extract the prose paragraphs of reStructuredText files (drop code, directives, headings).
 
-Used once to make data/eval/python-docs-prose.txt from the Python 3.11 documentation sources
-in Debian's python3.11-doc package (see data/README.md):
+Used once to make data/eval/python-docs-prose.txt (now labkit/data/eval/python-docs-prose.txt)
+from the Python 3.11 documentation sources in Debian's python3.11-doc package (see
+labkit/data/eval/README.md):
 
     apt-get download python3.11-doc && dpkg-deb -x python3.11-doc_*.deb x
     python data/tools/extract_rst_prose.py x/usr/share/doc/python3.11/html/_sources/{tutorial,faq}/*.rst.txt

@@ -184,10 +184,11 @@ class Bench:
 def run_bench(figures: list[str] | None = None, *, quick: bool = False, out: str | Path = "results/bench",
               model_name: str = "smollm2-135m", threads: int | None = None) -> list[Figure]:
     import labkit
-    from labkit.bench.environment import capture
-    from labkit.bench.timing import num_threads
+    from labkit.util.environment import capture
+    from labkit.util.timing import num_threads
     from labkit.eval import eval_text
     from labkit.models.reference import load_reference
+    from labkit.models.registry import artefact_record
 
     figures = list(figures or FIGURES)
     unknown = set(figures) - set(FIGURES)
@@ -208,7 +209,7 @@ def run_bench(figures: list[str] | None = None, *, quick: bool = False, out: str
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"figures": [asdict(f) for f in results], "quick": quick, "threads": used_threads,
-               "model": model_name, "dtype": str(model.dtype), "environment": capture(model_name),
+               "model": model_name, "dtype": str(model.dtype), "environment": capture(artefact_record(model_name)),
                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for key, run in bench.runs.items():

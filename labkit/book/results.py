@@ -18,7 +18,7 @@ repository root is the nearest folder above the working directory that holds
 
 ``metrics.json`` holds: chapter, profile, metrics (value, unit, note, formatted text),
 not_run (name -> reason), workload, figures, tables, environment
-(:func:`labkit.bench.environment.capture`), git revision, and a UTC timestamp.
+(:func:`labkit.util.environment.capture`), git revision, and a UTC timestamp.
 """
 
 from __future__ import annotations
@@ -234,9 +234,10 @@ class Results:
 
     def record(self) -> dict[str, Any]:
         """The dict that :meth:`write` stores as ``metrics.json``."""
-        from labkit.bench.environment import capture
+        from labkit.models.registry import artefact_record
+        from labkit.util.environment import capture
 
-        environment = capture(self.model, root=self.repo_root)
+        environment = capture(artefact_record(self.model) if self.model else None, root=self.repo_root)
         return {
             "chapter": self.chapter,
             "profile": self.profile,

@@ -35,19 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Okabe & Ito (2008) palette, black moved last; safe for the common colour-vision deficiencies.
-OKABE_ITO = [
-    "#0072B2",  # blue
-    "#E69F00",  # orange
-    "#009E73",  # bluish green
-    "#D55E00",  # vermillion
-    "#CC79A7",  # reddish purple
-    "#56B4E9",  # sky blue
-    "#F0E442",  # yellow
-    "#000000",  # black
-]
-LINESTYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+from labkit.util.palette import LINESTYLES, MARKERS, OKABE_ITO  # noqa: F401 (the style's palette)
 
 FIGSIZE = (6.4, 3.6)
 

@@ -16,7 +16,7 @@ parameters before ``/`` are passed by position, all others by keyword.
 names exist. :func:`conforms` also asks whether every call the loop makes would bind to the
 object's signatures, and whether attributes that are themselves parts (``EngineModel.tokenizer``)
 conform. Neither looks at behaviour: that is the job of the reference checks in
-:mod:`labkit.engine.checks`.
+:mod:`labkit.experiments.part_checks`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,32 @@
 """LLMEngine: requests in, token events out.
 
-    add_request -> Scheduler.schedule -> ModelRunner (forward + sample) -> postprocess -> events
+    add_request -> step():  Scheduler.schedule -> ModelRunner.run (forward + sample)
+                            -> postprocess (OutputProcessor per sample) -> events
 
 `step()` runs one iteration of that pipeline for every scheduled sequence at once and
-returns what happened: one `TokenEvent` per new token or finished sample. `generate`
-drives steps until a set of requests is done; `stream` yields one request's events as
-they happen and aborts the request if the consumer stops listening.
+returns what happened: one `TokenEvent` per new token or finished sample. The engine
+touches the model only through the `ServedModel` contract and leaves weight packing, KV
+layout and attention to its `Backend` (`labkit.engine.interfaces`). `generate` drives
+steps until a set of requests is done; `stream` yields one request's events as they
+happen, and any number of streams may be open at once: each step's events are kept for
+the stream they belong to. A server drives the engine through `labkit.engine.core`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence as Seq
 
-import torch
-
+from labkit.engine.backends import backend_for
 from labkit.engine.block_manager import BlockManager
-from labkit.engine.loop import _stop_string_cut
-from labkit.engine.paged_cache import KVPool
+from labkit.engine.interfaces import Backend, ServedModel
+from labkit.engine.output import OutputProcessor, encode_prompt
 from labkit.engine.runner import ModelRunner
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.sequence import Sequence, Status
-from labkit.kernels.packed import pack_model
 from labkit.sampling import SamplingParams
 
 
@@ -36,6 +39,8 @@ class EngineConfig:
     fast_kernels: bool = True          # oneDNN-packed weights, labkit's C kernels (where they
                                        # build); False: F.linear and gather + SDPA
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    backend: Backend | None = None     # overrides fast_kernels (labkit.engine.backends)
+    transition_log: int = 10_000       # the state changes kept in `transitions` (the newest)
 
     @property
     def num_blocks(self) -> int:
@@ -109,7 +114,7 @@ class _Request:
     n: int
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
-    detoks: dict[int, object] = field(default_factory=dict)
+    outputs: dict[int, OutputProcessor] = field(default_factory=dict)  # by sample index
 
     @property
     def done(self) -> bool:
@@ -119,40 +124,35 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, *,
+    def __init__(self, model: ServedModel, config: EngineConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter):
         self.config, self.clock = config or EngineConfig(), clock
         c = self.config
-        self.model = pack_model(model) if c.fast_kernels else model
         if c.num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
-        rope_len = model.rope_cos.shape[0]
-        self.max_model_len = min(c.max_model_len or rope_len, rope_len)
+        self.backend = c.backend or backend_for(c.fast_kernels)
+        self.model = self.backend.prepare(model)
+        self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
-        self.pool = KVPool(model.config, c.num_blocks, c.block_size, model.dtype,
-                           native_attention=c.fast_kernels)
-        self.transitions: list[tuple[float, str, int, str, str]] = []
+        self.pool = self.backend.new_pool(model.config, c.num_blocks, c.block_size, model.dtype, model.device)
+        self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.backend)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
+        self._streams: dict[str, deque[TokenEvent]] = {}  # events kept for open streams
         self.steps = self.tokens_computed = 0
-        tok = model.tokenizer
-        self._eos = tok.eos_token_id if tok is not None else None
 
     # -- requests in ------------------------------------------------------------------------
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, n: int = 1, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request; return its id. Raises ValueError (and changes nothing) for an
-        empty or out-of-vocabulary prompt, a duplicate id, n < 1, or a request that can
-        never fit the model's context or the KV pool."""
+    def check_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                      n: int = 1) -> list[int]:
+        """The prompt's token ids, if the engine can serve this request; else ValueError (an
+        empty or out-of-vocabulary prompt, n < 1, or more tokens than the model's context or
+        the KV pool can ever hold). Reads nothing that a step changes, so a front end may
+        call it from its own thread before it sends the request to the engine."""
         params = params or SamplingParams(temperature=0.0)
-        ids = self._prompt_ids(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = encode_prompt(prompt, self.model.tokenizer, self.model.config.vocab_size)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         total = len(ids) + params.max_tokens
@@ -161,35 +161,30 @@ class LLMEngine:
                              f"exceeds the model's context of {self.max_model_len} tokens")
         if -(-total // self.config.block_size) > self.blocks.num_blocks:
             raise ValueError(f"{total} tokens need more KV blocks than the pool's {self.blocks.num_blocks}")
+        return ids
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, n: int = 1, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; return its id. Raises ValueError (and changes nothing) for a
+        request `check_request` refuses or a duplicate id."""
+        params = params or SamplingParams(temperature=0.0)
+        ids = self.check_request(prompt, params, n=n)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
         request = _Request(request_id, ids, params, n, now)
         seq = Sequence(next(self._seq_ids), request_id, ids, params, cache_salt=cache_salt, arrival_time=now)
         request.seqs.append(seq)
-        request.detoks[0] = self._detokenizer()
+        request.outputs[0] = self._output_processor(ids, params)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self._record_transition(seq, None, Status.WAITING)
         return request_id
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.model.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            ids = self.model.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not ids:
-            raise ValueError("the prompt is empty: at least one token is needed to condition on")
-        return ids
-
-    def _detokenizer(self):
-        from labkit.tokenizer import IncrementalDetokenizer
-
-        tok = self.model.tokenizer
-        return IncrementalDetokenizer(tok) if tok is not None else None
+    def _output_processor(self, prompt_ids: list[int], params: SamplingParams) -> OutputProcessor:
+        return OutputProcessor(self.model.tokenizer, params, self.max_model_len - len(prompt_ids))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: its samples stop and give back their blocks. False if there
@@ -207,7 +202,7 @@ class LLMEngine:
         self.transitions.append((self.clock(), seq.request_id, seq.sample_index,
                                  old.value if old else "new", new.value))
 
-    # -- one step -----------------------------------------------------------------------------
+    # -- one step: schedule, run, postprocess --------------------------------------------------
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -215,69 +210,64 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        seqs, logits = self.runner.logits(plan)
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.register_full_blocks(item.seq)
-        self.steps += 1
-        self.tokens_computed += plan.num_tokens
-        seqs, logits = self._fork_samples(seqs, logits)
-        tokens = self.runner.sample(seqs, logits)
-        now = self.clock()
-        return [event for seq, token in zip(seqs, tokens) for event in self._append(seq, token, now)]
+        samples = self._samples(plan)
+        tokens = self.runner.run(plan, samples)
+        events = self._postprocess(plan, samples, tokens)
+        for event in events:
+            kept = self._streams.get(event.request_id)
+            if kept is not None:
+                kept.append(event)
+        return events
 
-    def _fork_samples(self, seqs: list[Sequence], logits: torch.Tensor):
-        """A request with n > 1 prefills its prompt once; when the first sample's prompt is
-        computed, the other samples are forked from it and share its blocks."""
-        out_seqs, rows = [], []
-        for row, seq in enumerate(seqs):
-            out_seqs.append(seq)
-            rows.append(row)
+    def _samples(self, plan) -> list[tuple[Sequence, Sequence]]:
+        """(row owner, sample) for every token this step samples. A request with n > 1
+        prefills its prompt once: when the first sample's prompt is computed, the others
+        are made here and draw from its logits; `_postprocess` forks them its blocks."""
+        out = []
+        for item in plan.scheduled:
+            if not item.completes:
+                continue
+            seq = item.seq
+            out.append((seq, seq))
             request = self.requests[seq.request_id]
             if len(request.seqs) < request.n and seq.sample_index == 0 and not seq.output_token_ids:
                 for index in range(1, request.n):
                     child = Sequence(next(self._seq_ids), seq.request_id, seq.prompt_token_ids,
                                      seq.params, sample_index=index, cache_salt=seq.cache_salt,
                                      arrival_time=seq.arrival_time)
-                    self.blocks.fork(seq, child)
-                    request.seqs.append(child)
-                    request.detoks[index] = self._detokenizer()
-                    self._record_transition(child, None, Status.WAITING)
-                    self.scheduler.add_running(child)
-                    out_seqs.append(child)
-                    rows.append(row)
-        if len(rows) != len(seqs):
-            logits = logits[torch.tensor(rows, dtype=torch.long)]
-        return out_seqs, logits
+                    out.append((seq, child))
+        return out
 
-    def _append(self, seq: Sequence, token: int, now: float) -> list[TokenEvent]:
-        params = seq.params
-        request = self.requests[seq.request_id]
-        if token in params.stop_token_ids or (token == self._eos and not params.ignore_eos):
-            self._finish(seq, "stop", now)
-            return [TokenEvent(seq.request_id, seq.sample_index, None, "", True, "stop", now)]
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        detok = request.detoks[seq.sample_index]
-        piece = detok.add([token]) if detok is not None else ""
-        before = len(seq.text)
-        seq.text += piece
-        reason = None
-        cut = _stop_string_cut(seq.text, params.stop, before) if params.stop else None
-        if cut is not None:
-            piece, seq.text, reason = piece[:max(0, cut - before)], seq.text[:cut], "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-            tail = detok.flush() if detok is not None else ""
-            piece, seq.text = piece + tail, seq.text + tail
-        if reason is not None:
-            self._finish(seq, reason, now)
-        return [TokenEvent(seq.request_id, seq.sample_index, token, piece, reason is not None, reason, now)]
+    def _postprocess(self, plan, samples: list[tuple[Sequence, Sequence]], tokens: list[int]) -> list[TokenEvent]:
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_full_blocks(item.seq)
+        self.steps += 1
+        self.tokens_computed += plan.num_tokens
+        for owner, seq in samples:
+            if seq is not owner:
+                request = self.requests[seq.request_id]
+                self.blocks.fork(owner, seq)
+                request.seqs.append(seq)
+                request.outputs[seq.sample_index] = self._output_processor(seq.prompt_token_ids, seq.params)
+                self._record_transition(seq, None, Status.WAITING)
+                self.scheduler.add_running(seq)
+        now = self.clock()
+        return [self._append(seq, token, now) for (_, seq), token in zip(samples, tokens)]
 
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        seq.finish_reason, seq.finish_time = reason, now
-        self.scheduler.finish(seq)
+    def _append(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+        output = self.requests[seq.request_id].outputs[seq.sample_index]
+        delta = output.add(token)
+        if delta.token_id is not None:
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+        seq.text = output.text
+        if delta.finish_reason is not None:
+            seq.finish_reason, seq.finish_time = delta.finish_reason, now
+            self.scheduler.finish(seq)
+        return TokenEvent(seq.request_id, seq.sample_index, delta.token_id, delta.text,
+                          delta.finish_reason is not None, delta.finish_reason, now)
 
     # -- results ------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:
@@ -312,15 +302,20 @@ class LLMEngine:
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                **kwargs) -> Iterator[TokenEvent]:
-        """Add a request and yield its events as steps produce them. Closing the iterator
-        early (a client that went away) aborts the request."""
+        """Add a request and yield its events as steps produce them. Several streams may be
+        open at once (each gets exactly its own events, whichever of them runs the step).
+        Closing the iterator early (a client that went away) aborts the request."""
         request_id = self.add_request(prompt, params, **kwargs)
+        kept = self._streams[request_id] = deque()
         try:
-            while not self.requests[request_id].done:
-                for event in self.step():
-                    if event.request_id == request_id:
-                        yield event
+            while True:
+                while kept:
+                    yield kept.popleft()
+                if self.requests[request_id].done:
+                    return
+                self.step()
         finally:
+            self._streams.pop(request_id, None)
             self.abort(request_id)
             if request_id in self.requests:
                 self.release(request_id)

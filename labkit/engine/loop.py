@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from labkit.engine.output import OutputProcessor, encode_prompt
 from labkit.sampling import SamplingParams, sample
 
 
@@ -79,12 +80,6 @@ class Generation:
         }
 
 
-def _stop_string_cut(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
-    """Index where the earliest stop string starts, looking only at text that can be new."""
-    hits = [i for s in stops if (i := text.find(s, max(0, search_from - len(s) + 1))) >= 0]
-    return min(hits) if hits else None
-
-
 def generate(model, prompt: str | list[int], params: SamplingParams | None = None, *,
              chat: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
     """Generate a continuation of `prompt` (text, or token ids) with `model`.
@@ -94,22 +89,11 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
     Stop strings are matched on the decoded text, so they may span token boundaries;
     the returned text ends before the stop string.
     """
-    from labkit.tokenizer import IncrementalDetokenizer
-
     params = params or SamplingParams(temperature=0.0)
     tok = model.tokenizer
     timings = StageTimings()
     start = time.perf_counter()
-
-    if isinstance(prompt, str):
-        if chat:
-            prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}])
-        else:
-            prompt_ids = tok.encode(prompt)
-    else:
-        prompt_ids = list(prompt)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: at least one token is needed to condition on")
+    prompt_ids = encode_prompt(prompt, tok, getattr(getattr(model, "config", None), "vocab_size", None), chat=chat)
     timings.tokenize = time.perf_counter() - start
     timings.events.append(("tokenize", 0.0, timings.tokenize))
 
@@ -118,15 +102,9 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
         timings.events.append((stage, began - start, took))
         return took
 
-    max_len = len(prompt_ids) + params.max_tokens
-    cache = model.new_cache(batch=1, max_len=max_len)
-    stop_ids = set(params.stop_token_ids)
-    if not params.ignore_eos and tok.eos_token_id is not None:
-        stop_ids.add(tok.eos_token_id)
-    detok = IncrementalDetokenizer(tok)
+    cache = model.new_cache(batch=1, max_len=len(prompt_ids) + params.max_tokens)
+    output = OutputProcessor(tok, params)
     seen = list(prompt_ids)
-    out_ids: list[int] = []
-    text, finish = "", "length"
 
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[0, -1]
@@ -136,37 +114,64 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
         t0 = time.perf_counter()
         token = sample(logits, params, seed=params.seed, step=step, seen_token_ids=seen)
         timings.sample += record("sample", t0)
-        if token in stop_ids:
-            finish = "stop"
-            break
-        out_ids.append(token)
         seen.append(token)
-
         t0 = time.perf_counter()
-        piece = detok.add([token])
-        before = len(text)
-        text += piece
-        cut = _stop_string_cut(text, params.stop, before) if params.stop else None
+        delta = output.add(token)
         timings.detokenize += record("detokenize", t0)
-        if cut is not None:
-            piece = piece[: max(0, cut - before)]
-            text = text[:cut]
-            finish = "stop"
-        if on_text and piece:
-            on_text(piece)
-        if finish == "stop" or step == params.max_tokens - 1:
+        if on_text and delta.text:
+            on_text(delta.text)
+        if delta.finish_reason is not None:
             break
-
         t0 = time.perf_counter()
         logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
         timings.decode_steps.append(record("decode", t0))
 
-    if finish == "length":
-        t0 = time.perf_counter()
-        tail = detok.flush()
-        text += tail
-        timings.detokenize += record("detokenize", t0)
-        if on_text and tail:
-            on_text(tail)
     timings.total = time.perf_counter() - start
-    return Generation(prompt_ids, out_ids, text, finish, timings)
+    return Generation(prompt_ids, output.token_ids, output.text, output.finish_reason or "length", timings)
+
+
+# -- the one cached greedy loop --------------------------------------------------------------
+
+@dataclass
+class GreedyRun:
+    """What `greedy_continue` chose: the first row's tokens, each decode step's seconds, and
+    (if asked) the logits [vocab] that chose each token."""
+
+    token_ids: list[int]
+    step_seconds: list[float]
+    logits: list[torch.Tensor]
+
+
+def decode_step(model, token_ids: torch.Tensor, cache) -> torch.Tensor:
+    """One cached decode step: logits [batch, vocab] of the new tokens [batch, 1]."""
+    return model(token_ids, cache=cache, last_only=True)[:, -1]
+
+
+@torch.no_grad()  # not inference_mode: a compiled step's graphs and the chapter's counts expect no_grad
+def greedy_continue(model, cache, logits: torch.Tensor, new_tokens: int, *,
+                    step: Callable = decode_step, keep_logits: bool = False) -> GreedyRun:
+    """Greedy tokens from a prefilled `cache` whose last position gave `logits` [batch, vocab]:
+    `new_tokens` argmax choices (ties to the lowest id, as `labkit.sampling.sample`), EOS not
+    special, each token after the first fed back through `step(model, ids, cache)` (the plain
+    `decode_step`, or a compiled one). Every row of a batch is fed its own token."""
+    tokens, seconds, kept = [], [], []
+    next_ids = logits.argmax(-1, keepdim=True)
+    while True:
+        if keep_logits:
+            kept.append(logits[0].float().clone())
+        tokens.append(int(next_ids[0, 0]))
+        if len(tokens) >= new_tokens:
+            return GreedyRun(tokens, seconds, kept)
+        start = time.perf_counter()
+        logits = step(model, next_ids, cache)
+        next_ids = logits.argmax(-1, keepdim=True)
+        seconds.append(time.perf_counter() - start)
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt_ids: list[int], new_tokens: int, *, step: Callable = decode_step,
+                  keep_logits: bool = False) -> GreedyRun:
+    """Prefill `prompt_ids` into a fresh cache of the model's own kind, then `greedy_continue`."""
+    cache = model.new_cache(1, len(prompt_ids) + new_tokens)
+    logits = model(torch.tensor([list(prompt_ids)]), cache=cache, last_only=True)[:, -1]
+    return greedy_continue(model, cache, logits, new_tokens, step=step, keep_logits=keep_logits)

@@ -27,20 +27,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from labkit.engine.interfaces import ModelShape
 from labkit.kernels import native
-from labkit.models.gguf_file import LlamaConfig
 from labkit.models.llama import check_positions, grouped_attention
 
 
 class KVPool:
-    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, native_attention: bool = True):
+    def __init__(self, config: ModelShape, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, native_attention: bool = True,
+                 device: torch.device | str = "cpu"):
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
+        self.device = torch.device(device)
         layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
-        self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype)
-        self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype)
-        # Attention by labkit's C kernel where it builds, else gather + SDPA.
-        self.native = native_attention and dtype == torch.float32 and native.load() is not None
+        self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=self.device)
+        self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=self.device)
+        # Attention by labkit's C kernel where it builds (float32 on the CPU), else gather + SDPA.
+        self.native = (native_attention and dtype == torch.float32 and self.device.type == "cpu"
+                       and native.load() is not None)
 
     @property
     def bytes_per_token(self) -> int:
@@ -81,18 +84,19 @@ class Segment:
 
 
 class PagedBatch:
-    """What `Llama.forward` needs from a cache, for a packed batch of sequences."""
+    """What `Llama.forward` needs from a cache (a `KVCacheView`), for a packed batch of
+    sequences. Its index tensors live on the pool's device."""
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], counts: list[int]):
         self.pool = pool
-        bs = pool.block_size
+        bs, device = pool.block_size, pool.device
         positions, new_blocks, new_slots, segments = [], [], [], []
         row, self.end = 0, 0
         for table, start, count in zip(tables, starts, counts):
             length = start + count
             self.end = max(self.end, length)
-            blocks = torch.tensor(table[:-(-length // bs)], dtype=torch.long)
-            new = torch.arange(start, length)
+            blocks = torch.tensor(table[:-(-length // bs)], dtype=torch.long, device=device)
+            new = torch.arange(start, length, device=device)
             positions.append(new)
             new_blocks.append(blocks[new // bs])  # (block, slot) of each new token
             new_slots.append(new % bs)
@@ -112,15 +116,15 @@ class PagedBatch:
             return
         self.prefill = [s for s in segments if s.rows.stop - s.rows.start > 1]
         decode = [s for s in segments if s.rows.stop - s.rows.start == 1]
-        self.decode_rows = torch.tensor([s.rows.start for s in decode], dtype=torch.long)
+        self.decode_rows = torch.tensor([s.rows.start for s in decode], dtype=torch.long, device=device)
         self.decode_only = not self.prefill  # then decode row i is packed row i
         if decode:
             # Tables padded with block 0 to the longest; lengths say what is context, and
             # one padding mask serves every layer.
             self.decode_blocks = _padded_tables(decode)
             self.decode_len = max(s.length for s in decode)
-            self.decode_lengths = torch.tensor([s.length for s in decode])
-            mask = torch.arange(self.decode_len)[None, :] < self.decode_lengths[:, None]
+            self.decode_lengths = torch.tensor([s.length for s in decode], device=device)
+            mask = torch.arange(self.decode_len, device=device)[None, :] < self.decode_lengths[:, None]
             self.decode_mask = mask[:, None, None, :]
 
     def positions(self, steps: int, limit: int) -> torch.Tensor:
@@ -163,7 +167,9 @@ class PagedBatch:
 
 def _padded_tables(segments: list[Segment]) -> torch.Tensor:
     """The segments' block lists as one int64 table [len, longest], padded with block 0."""
-    tables = torch.zeros(len(segments), max((len(s.blocks) for s in segments), default=1), dtype=torch.long)
+    device = segments[0].blocks.device if segments else None
+    tables = torch.zeros(len(segments), max((len(s.blocks) for s in segments), default=1), dtype=torch.long,
+                         device=device)
     for i, s in enumerate(segments):
         tables[i, :len(s.blocks)] = s.blocks
     return tables

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _group(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def group_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, T, D] -> [B, KV, G*T, D]: stack the queries that share a KV head (a view-free
     reshape of q only; K and V stay as they are)."""
     batch, heads, steps, dim = q.shape
@@ -25,7 +25,7 @@ def _group(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(batch, kv_heads, (heads // kv_heads) * steps, dim)
 
 
-def _ungroup(out: torch.Tensor, heads: int, steps: int) -> torch.Tensor:
+def ungroup_heads(out: torch.Tensor, heads: int, steps: int) -> torch.Tensor:
     batch, _, _, dim = out.shape
     return out.reshape(batch, heads, steps, dim)
 
@@ -48,13 +48,13 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """softmax(q k^T / sqrt(d) + mask) v, written out: builds the full score tensor."""
     heads, steps = q.shape[1], q.shape[2]
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    grouped = _group(q, kv_heads)
+    grouped = group_heads(q, kv_heads)
     scores = grouped @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         mask = causal_mask(steps, kv_len, heads // kv_heads, device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return _ungroup(weights @ v, heads, steps)
+    return ungroup_heads(weights @ v, heads, steps)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -67,11 +67,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return F.scaled_dot_product_attention(q, k, v)
         if steps == kv_len:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    grouped = _group(q, k.shape[1])
+    grouped = group_heads(q, k.shape[1])
     mask = None
     if causal and steps > 1:
         mask = causal_mask(steps, kv_len, heads // k.shape[1], device=q.device)
-    return _ungroup(F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask), heads, steps)
+    return ungroup_heads(F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask), heads, steps)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -86,14 +86,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if steps != 1:
         raise ValueError("decode_attention takes exactly one query position per sequence")
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
-    grouped = _group(q, kv_heads)  # [B, KV, G, D]
+    grouped = group_heads(q, kv_heads)  # [B, KV, G, D]
     scores = grouped @ k_cache.transpose(-1, -2) / math.sqrt(dim)  # [B, KV, G, max_len]
     if lengths is not None:
         lengths = torch.as_tensor(lengths, device=q.device)
         valid = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, L]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v_cache.dtype)
-    return _ungroup(weights @ v_cache, heads, 1)
+    return ungroup_heads(weights @ v_cache, heads, 1)
 
 
 IMPLEMENTATIONS = {"naive": naive_attention, "sdpa": sdpa_attention}

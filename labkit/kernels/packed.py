@@ -18,8 +18,6 @@ GPU tensor, a dtype it does not pack), `pack_model` returns the model itself.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -70,15 +68,15 @@ def pack_model(model, native_gemv: bool = True):
     if not all(isinstance(w, torch.Tensor) and available(w) for w in weights):
         return model
     copies = model.__dict__.setdefault("_packed_copies", {})
-    # A shallow copy of the model (labkit.bench.compilation.slice_model) shares this dict:
+    # A shallow copy of the model (labkit.experiments.compilation.slice_model) shares this dict:
     # the identity check below tells its weights from the original's.
     key = (native_gemv, len(weights))
     cached = copies.get(key)
     if cached is not None and all(k.weight is w for k, w in zip(_matrices(cached), weights, strict=True)):
         return cached
     out = shallow_copy(model)
-    out.layers = [dataclasses.replace(layer, **{name: PackedLinear(getattr(layer, name), native_gemv)
-                                                for name in MATRICES})
+    out.layers = [layer.replaced(**{name: PackedLinear(getattr(layer, name), native_gemv)
+                                    for name in MATRICES})
                   for layer in model.layers]
     out.lm_head = PackedLinear(model.lm_head, native_gemv)  # the embedding stays a tensor
     out.__dict__.pop("_packed_copies", None)

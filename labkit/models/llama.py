@@ -4,8 +4,11 @@
                                 RMSNorm -> SwiGLU MLP -> +residual]
            -> RMSNorm -> tied LM head -> logits
 
-Weights are kept as plain tensors. The Q/K/V projections are fused into one matrix and
-the MLP's gate/up projections into another, so a decode step makes fewer, larger calls.
+The weights are frozen `nn.Parameter`s (and the RoPE tables non-persistent buffers), so
+`.to()`, `.parameters()` and `state_dict()` see them; a weight can also be replaced by a
+module that multiplies by it (a packed or quantized kernel, see `linear`). The Q/K/V
+projections are fused into one matrix and the MLP's gate/up projections into another, so
+a decode step makes fewer, larger calls.
 Grouped-query attention never copies the shared key/value heads: the queries that share
 a KV head are stacked along the sequence axis instead (see `grouped_attention`).
 """
@@ -13,6 +16,7 @@ a KV head are stacked along the sequence axis instead (see `grouped_attention`).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +27,8 @@ from labkit.models.gguf_file import LlamaConfig
 
 @dataclass
 class KVCache:
-    """A contiguous KV cache: room for `max_len` positions, the first `length` filled."""
+    """A contiguous KV cache: room for `max_len` positions, the first `length` filled. One
+    of the three caches behind the `KVCacheView` contract (`labkit.engine.interfaces`)."""
 
     keys: torch.Tensor  # [layers, batch, kv_heads, max_len, head_dim]
     values: torch.Tensor
@@ -31,9 +36,9 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: LlamaConfig, batch: int, max_len: int,
-              dtype: torch.dtype = torch.float32) -> "KVCache":
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
         shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @property
     def max_len(self) -> int:
@@ -49,7 +54,7 @@ class KVCache:
     def positions(self, steps: int, limit: int) -> torch.Tensor:
         """Positions of the `steps` new tokens: they follow the cached ones (all < limit)."""
         check_positions(self.length + steps, limit)
-        return torch.arange(self.length, self.length + steps)
+        return torch.arange(self.length, self.length + steps, device=self.keys.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store the new keys and values of `layer`, then attend over everything cached."""
@@ -104,8 +109,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stacked = q.reshape(batch, kv_heads, group * steps, dim)
     mask = None
     if steps > 1:
-        q_pos = torch.arange(q_start, q_start + steps).repeat(group)  # row r is position r % T
-        mask = torch.arange(keys)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(q_start, q_start + steps, device=q.device).repeat(group)  # row r: position r % T
+        mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[:, None]
     elif q_start + 1 < keys:
         raise ValueError("decode query must be the last cached position")
     out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask)
@@ -121,24 +126,96 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
 MATRICES = ("qkv", "o_proj", "gate_up", "down")  # the matrices of each layer (the rest: norms)
 
 
-@dataclass
-class LayerWeights:
-    attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, hidden]
-    o_proj: torch.Tensor
-    mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+class Weights(torch.nn.Module):
+    """A module whose weight slots (the names in `WEIGHTS`) each hold either a tensor, kept
+    as a frozen `nn.Parameter` sharing the tensor's storage, or a module (any callable) that
+    multiplies by it in its place (see `linear`). Assigning either to a slot works: a plain
+    tensor is wrapped, and a module evicts the parameter of that name (`nn.Module` itself
+    refuses to put a module where a parameter was)."""
+
+    WEIGHTS: tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.WEIGHTS:
+            if isinstance(value, torch.Tensor):
+                if not isinstance(value, torch.nn.Parameter):
+                    value = torch.nn.Parameter(value, requires_grad=False)  # no copy
+            else:
+                self.__dict__.get("_parameters", {}).pop(name, None)
+                if not isinstance(value, torch.nn.Module):
+                    self.__dict__.get("_modules", {}).pop(name, None)
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse: bool = True):
+        # As nn.Module._apply (what .to(), .cuda(), .half() call), but a converted weight
+        # becomes a new Parameter where nn.Module converts it in place (`param.data = ...`):
+        # a copy (`shallow_copy`, `LayerWeights.replaced`) shares its Parameters with the
+        # original, and moving one must leave the other alone. One new Parameter per old
+        # one keeps a tied weight tied.
+        if recurse:
+            for module in self.children():
+                module._apply(fn)
+        converted: dict[int, torch.nn.Parameter] = {}
+        for key, param in self._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in converted:
+                with torch.no_grad():
+                    applied = fn(param)
+                converted[id(param)] = (param if applied is param else
+                                        torch.nn.Parameter(applied, param.requires_grad))
+            self._parameters[key] = converted[id(param)]
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = fn(buf)
+        return self
 
 
-class Llama(torch.nn.Module):
-    """A Llama decoder. Call it on token ids [batch, seq] to get logits [batch, seq, vocab]."""
+class LayerWeights(Weights):
+    """The weights of one decoder layer: two norm vectors and four (fused) matrices."""
+
+    WEIGHTS = ("attn_norm", "qkv", "o_proj", "mlp_norm", "gate_up", "down")
+
+    def __init__(self, attn_norm, qkv, o_proj, mlp_norm, gate_up, down):
+        super().__init__()
+        self.attn_norm = attn_norm
+        self.qkv = qkv  # [(heads + 2 kv_heads) * head_dim, hidden]
+        self.o_proj = o_proj
+        self.mlp_norm = mlp_norm
+        self.gate_up = gate_up  # [2 * intermediate, hidden]
+        self.down = down
+
+    def weights(self) -> dict:
+        """Name -> tensor (or the module standing in for it), in `WEIGHTS` order."""
+        return {name: getattr(self, name) for name in self.WEIGHTS}
+
+    def replaced(self, **changes) -> "LayerWeights":
+        """A new LayerWeights holding `changes` (tensors or modules, by weight name) and
+        sharing every other weight with this one, which is left unchanged."""
+        unknown = set(changes) - set(self.WEIGHTS)
+        if unknown:
+            raise TypeError(f"LayerWeights has no weight {sorted(unknown)}; it has {self.WEIGHTS}")
+        return type(self)(**{**self.weights(), **changes})
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={tuple(w.shape)}" if isinstance(w, torch.Tensor) else name
+                         for name, w in self.weights().items() if name not in self._modules)
+
+
+class Llama(Weights):
+    """A Llama decoder. Call it on token ids [batch, seq] to get logits [batch, seq, vocab].
+
+    `embed`, `final_norm` (and `lm_head`, the very Parameter `embed` when the embeddings
+    are tied) are parameters, `layers` a ModuleList of `LayerWeights`, `rope_cos` and
+    `rope_sin` buffers left out of the state dict: `.to(dtype)` / `.to(device)` moves them
+    all. `lm_head` may also be a module (see `linear`)."""
+
+    WEIGHTS = ("embed", "lm_head", "final_norm")
 
     def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, rope_len: int | None = None):
         super().__init__()
         self.config = config
-        self.dtype = dtype
         c = config
 
         def w(name: str) -> torch.Tensor:
@@ -147,7 +224,7 @@ class Llama(torch.nn.Module):
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = w("model.norm.weight")
-        self.layers = []
+        self.layers = torch.nn.ModuleList()
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(LayerWeights(
@@ -160,8 +237,14 @@ class Llama(torch.nn.Module):
                 down=w(p + "mlp.down_proj.weight"),
             ))
         cos, sin = rope_tables(c, rope_len or c.max_position_embeddings)
-        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
         self.tokenizer = None  # set by the loader
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "layers" and isinstance(value, (list, tuple)):
+            value = torch.nn.ModuleList(value)
+        super().__setattr__(name, value)
 
     # -- the forward pass -------------------------------------------------------------
     @torch.inference_mode()
@@ -178,7 +261,7 @@ class Llama(torch.nn.Module):
             positions = cache.positions(steps, limit)
         else:
             check_positions(steps, limit)
-            positions = torch.arange(steps)
+            positions = torch.arange(steps, device=input_ids.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = F.embedding(input_ids, self.embed)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -208,31 +291,51 @@ class Llama(torch.nn.Module):
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return linear(x, self.lm_head)
 
+    @property
+    def max_positions(self) -> int:
+        """How many positions the RoPE table covers: the longest sequence this model runs."""
+        return self.rope_cos.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights (of the embedding): what `.to(dtype)` last set."""
+        return self.embed.dtype
+
     # -- accounting -------------------------------------------------------------------
     def num_parameters(self) -> int:
         """Learned parameters, counting the tied embedding/LM head once."""
         c = self.config
-        per_layer = sum(t.numel() for t in vars(self.layers[0]).values())
-        head = 0 if c.tie_word_embeddings else self.lm_head.numel()
+        per_layer = sum(_numel(w) for w in self.layers[0].weights().values())
+        head = 0 if c.tie_word_embeddings else _numel(self.lm_head)
         return self.embed.numel() + head + self.final_norm.numel() + c.num_layers * per_layer
 
     def new_cache(self, batch: int = 1, max_len: int = 2048) -> KVCache:
-        return KVCache.empty(self.config, batch, max_len, self.dtype)
+        return KVCache.empty(self.config, batch, max_len, self.dtype, self.device)
 
 
 def shallow_copy(model: Llama, layers: int | None = None) -> Llama:
     """A copy of `model` that shares its tensors, keeping only its first `layers` layers if
-    given. Attributes set on the copy (its layers, its embedding or head, even a module in
-    place of a tensor) leave the original alone, so experiments can swap weights or kernels
-    on a copy."""
+    given. Attributes set on the copy (its layers, a layer's weights, its embedding or head,
+    even a module in place of a tensor) and `.to()` on the copy leave the original alone,
+    so experiments can swap weights or kernels on a copy."""
     out = copy.copy(model)
     out.__dict__ = dict(model.__dict__)
-    for registry in ("_parameters", "_buffers", "_modules"):  # nn.Module's own: not shared
-        out.__dict__[registry] = dict(model.__dict__[registry])
+    # nn.Module's own registries: not shared
+    for registry in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        out.__dict__[registry] = copy.copy(model.__dict__[registry])
+    kept = model.layers if layers is None else model.layers[:layers]
+    out.layers = [layer.replaced() if isinstance(layer, LayerWeights) else layer for layer in kept]
     if layers is not None:
-        out.layers = model.layers[:layers]
         out.config = replace(model.config, num_layers=layers)
     return out
+
+
+def _numel(weight) -> int:
+    return weight.numel() if isinstance(weight, torch.Tensor) else math.prod(weight.shape)
 
 
 def _aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:

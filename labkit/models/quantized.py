@@ -17,8 +17,6 @@ The two agree up to float rounding (the kernel dequantizes the same integers and
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from labkit.kernels.quant import (QuantizedInt4Linear, QuantizedInt8Linear, quantize_int4,
@@ -76,12 +74,11 @@ def quantize_model(model: Llama, scheme: str = "int8", group_size: int | None = 
         raise ValueError(f"embedding must be one of {EMBEDDING_SIDES}")
     new = shallow_copy(model)  # shares config, tokenizer, norms and RoPE tables
     if layers:
-        new.layers = [LayerWeights(**{name: fake_quantize(t, scheme, group_size)
-                                      if name in MATRICES else t
-                                      for name, t in vars(layer).items()})
+        new.layers = [layer.replaced(**{name: fake_quantize(getattr(layer, name), scheme, group_size)
+                                        for name in MATRICES})
                       for layer in model.layers]
-    if embedding != "none":
-        q = fake_quantize(model.lm_head, scheme, group_size)
+    if embedding != "none":  # one Parameter, so "both" keeps the two sides tied
+        q = torch.nn.Parameter(fake_quantize(model.lm_head, scheme, group_size), requires_grad=False)
         if embedding in ("input", "both"):
             new.embed = q
         if embedding in ("output", "both"):
@@ -105,17 +102,23 @@ class QuantizedLlama(Llama):
                  dtype: torch.dtype = torch.bfloat16, use_kernel: bool = True,
                  quantize_head: bool = False):
         torch.nn.Module.__init__(self)
-        self.config, self.tokenizer, self.dtype = model.config, model.tokenizer, dtype
+        self.config, self.tokenizer = model.config, model.tokenizer  # dtype: the embedding's
         self.scheme, self.group_size = scheme, group_size
         self.embed, self.final_norm = model.embed.to(dtype), model.final_norm.to(dtype)
-        self.rope_cos, self.rope_sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)
+        self.register_buffer("rope_cos", model.rope_cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin.to(dtype), persistent=False)
         make = lambda w: _linear(w, scheme, group_size, dtype, use_kernel)  # noqa: E731
         self.layers = [LayerWeights(attn_norm=layer.attn_norm.to(dtype),
                                     mlp_norm=layer.mlp_norm.to(dtype),
                                     **{name: make(getattr(layer, name)) for name in MATRICES})
                        for layer in model.layers]
         head = model.lm_head
-        self.lm_head = make(head) if quantize_head else head.to(dtype).contiguous()
+        if quantize_head:
+            self.lm_head = make(head)
+        elif head is model.embed:  # tied: one cast copy serves both
+            self.lm_head = self.embed
+        else:
+            self.lm_head = head.to(dtype).contiguous()
 
 
 def _linear(w: torch.Tensor, scheme: str | None, group_size: int = 64,
@@ -218,112 +221,3 @@ def reconstruction_error(weights, scheme: str, group_size: int | None = 64) -> d
         "exact_fraction": sums["exact"] / sums["n"],
         "weights": sums["n"],
     }
-
-
-# -- behaviour and speed helpers ------------------------------------------------------------
-
-def window_scores(model, ids: list[int], window: int = 512) -> list[tuple[float, int]]:
-    """(summed NLL in nats, tokens scored) for each window of `window` tokens.
-
-    Consecutive windows overlap by one token, so every token after the first is scored
-    exactly once; the sums equal `labkit.eval.score_tokens(model, ids, window,
-    stride=window - 1)`, and the per-window values give the noise of a paired comparison.
-    """
-    from labkit.eval import score_tokens
-
-    step = window - 1
-    return [((s := score_tokens(model, ids[start:start + window], window=window)).nll_nats,
-             s.tokens_scored) for start in range(0, len(ids) - 1, step)]
-
-
-@torch.inference_mode()
-def greedy_tokens(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """`new_tokens` greedy tokens (EOS not treated specially), with a KV cache."""
-    cache = model.new_cache(1, len(prompt_ids) + new_tokens)
-    logits = model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[0, -1]
-    out = [int(logits.argmax())]
-    while len(out) < new_tokens:
-        logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
-        out.append(int(logits.argmax()))
-    return out
-
-
-@torch.inference_mode()
-def teacher_forced_matches(model, prompt_ids: list[int], reference: list[int]) -> list[bool]:
-    """For each position of `reference` (a greedy continuation of `prompt_ids` by another
-    model): does `model`'s argmax, reading the same reference tokens, pick the same token?
-    One forward pass. Free-running greedy decoding by `model` reproduces the reference up to
-    the first False (there the two continuations part)."""
-    ids = torch.tensor([prompt_ids + reference[:-1]])
-    choices = model(ids)[0, len(prompt_ids) - 1:].argmax(-1)
-    return (choices == torch.tensor(reference)).tolist()
-
-
-def paired_difference(scores: list[tuple[float, int]], baseline: list[tuple[float, int]]):
-    """(difference in nats per token, its standard error) between two `window_scores` of
-    the same text: the windows are the units, so the noise shared by both is cancelled."""
-    d = torch.tensor([a - b for (a, _), (b, _) in zip(scores, baseline)], dtype=torch.float64)
-    n = torch.tensor([c for _, c in baseline], dtype=torch.float64)
-    mean = d.sum() / n.sum()
-    windows = len(d)
-    if windows < 2:
-        return mean.item(), float("nan")
-    var = ((d - mean * n) ** 2).sum() / (windows * (windows - 1))
-    return mean.item(), (var.sqrt() * windows / n.sum()).item()
-
-
-def score_table(scores: dict, baseline: str) -> list[dict]:
-    """One row per model of `scores` (name -> `window_scores` on the same text): bits per
-    token, perplexity, and the paired difference from `baseline` with its standard error."""
-    rows = []
-    for name, windows in scores.items():
-        nll, tokens = sum(x for x, _ in windows), sum(n for _, n in windows)
-        diff, se = paired_difference(windows, scores[baseline])
-        rows.append({"model": name, "tokens": tokens, "bits_per_token": nll / tokens / math.log(2),
-                     "perplexity": math.exp(nll / tokens),
-                     "delta_bits": diff / math.log(2), "delta_bits_se": se / math.log(2)})
-    return rows
-
-
-def greedy_agreement(model, prompts: list[list[int]], references: list[list[int]]) -> dict:
-    """Teacher-forced agreement with reference greedy continuations, over all prompts, and
-    where each free-running continuation would first part from its reference."""
-    matches = [teacher_forced_matches(model, p, r) for p, r in zip(prompts, references)]
-    flat = [m for row in matches for m in row]
-    return {"agreement": sum(flat) / len(flat),
-            "first_divergence": [row.index(False) if False in row else len(row) for row in matches]}
-
-
-def measure_interleaved(runners: dict, rounds: int, warmup: int = 1, threads: int | None = None,
-                        **meta) -> dict:
-    """Time several systems in turns (A, B, C, A, B, C, ...) on `threads` threads, so that a
-    slow spell of a shared machine falls on all of them alike. Every sample is one
-    `measure` call; returns a `Timing` per system with all its samples."""
-    from labkit.bench.timing import Timing, measure, num_threads
-
-    with num_threads(threads):
-        for fn in runners.values():
-            for _ in range(warmup):
-                fn()
-        samples = {name: [] for name in runners}
-        for _ in range(rounds):
-            for name, fn in runners.items():
-                samples[name] += measure(fn, name=name, repeats=1, warmup=0).samples
-        used = torch.get_num_threads()
-    return {name: Timing(name, s, warmup, used, dict(meta)) for name, s in samples.items()}
-
-
-def decode_runner(model, prompt_ids: list[int], new_tokens: int):
-    """Prefill once; return a function that runs `new_tokens` greedy decode steps from the
-    end of the prompt each time it is called (the same steps every call), for timing."""
-    cache = model.new_cache(1, len(prompt_ids) + new_tokens + 1)
-    first = int(model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[0, -1].argmax())
-
-    def run() -> list[int]:
-        cache.length = len(prompt_ids)
-        out = [first]
-        for _ in range(new_tokens):
-            out.append(int(model(torch.tensor([[out[-1]]]), cache=cache)[0, -1].argmax()))
-        return out[1:]
-
-    return run

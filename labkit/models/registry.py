@@ -21,6 +21,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.util.paths import cache_root
+
 
 class ModelFetchError(RuntimeError):
     """The model's files could not be downloaded, or did not match their checksums."""
@@ -66,9 +68,17 @@ def get_spec(name: str) -> ModelSpec:
         raise KeyError(f"unknown model {name!r}; known models: {known}") from None
 
 
-def cache_root() -> Path:
-    root = os.environ.get("LABKIT_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "labkit"
+def artefact_record(name: str) -> dict:
+    """The registry's record of a model's artefact (the GGUF's sha256, where it comes from),
+    as results records carry it."""
+    spec = get_spec(name)
+    return {
+        "name": spec.name,
+        "artefact": spec.gguf_filename,
+        "sha256": spec.gguf_sha256,
+        "source": f"{spec.pypi_package}=={spec.version} (PyPI wheel)",
+        "license": spec.license,
+    }
 
 
 def model_dir(name: str) -> Path:

@@ -6,7 +6,7 @@ ceiling), and every call pays a fixed overhead (the launch/dispatch ceiling):
 
     predicted time = overhead + max(F / peak_flops, B / bandwidth)
 
-`measure_machine()` measures the three numbers with labkit.bench.timing; `Op` describes an
+`measure_machine()` measures the three numbers with labkit.util.timing; `Op` describes an
 operation by its FLOPs and bytes; `predict` applies the model.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from labkit.bench.timing import measure, num_threads
+from labkit.util.timing import measure, num_threads
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.bench.timing import measure
+from labkit.util.timing import measure
 from labkit.sim.roofline import Machine, Op, bound, matmul_op, predict
 
 F32 = 4  # bytes per float32 element

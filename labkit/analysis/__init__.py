@@ -1,1 +1,0 @@
-"""Analyses the chapters run on the models: where parameters, FLOPs and time go."""

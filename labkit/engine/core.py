@@ -1,0 +1,212 @@
+"""EngineCore: an `LLMEngine` driven by commands, the way a server drives it.
+
+    front end (any thread)                    the core's one step loop (one thread)
+    add(prompt, params) --AddRequest-->  ]    apply commands -> engine.step() -> route events
+    stream.close()      --AbortRequest-> ]--> to each request's own queue; a finished request
+                                               is released and its stream gets the output
+
+Only the loop touches the engine: `add` and `abort` are messages it applies at the start of
+its next iteration, so a client never waits on a step and a step never waits on a client.
+A prompt is checked in the caller's thread (`LLMEngine.check_request`), so bad input is a
+ValueError at `add`, before anything is queued. Every request's events go to its own
+`RequestStream`; any number may be read at once, each sees exactly its own tokens. State is
+bounded: a request is forgotten when it finishes (its output handed to its stream), and the
+engine keeps only its newest state changes.
+
+Run the loop on a thread with `start()` (and `shutdown()`), or step it by hand with
+`run_once()` / `run_until_idle()` (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Sequence as Seq
+
+from labkit.engine.llm_engine import LLMEngine, RequestOutput, TokenEvent
+from labkit.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The last item of a stream: the request's output, or why it failed."""
+
+    output: RequestOutput | None
+    error: BaseException | None = None
+
+
+class RequestStream:
+    """One request's events in order, then its `RequestOutput` (`output` once finished).
+    Iterate it (blocking) or `get()` one item; `close()` aborts the request if unfinished."""
+
+    def __init__(self, request_id: str, core: "EngineCore"):
+        self.request_id, self._core = request_id, core
+        self._items: queue.SimpleQueue[TokenEvent | StreamEnd] = queue.SimpleQueue()
+        self.output: RequestOutput | None = None
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> TokenEvent | StreamEnd:
+        """The next event, or the `StreamEnd`; raises queue.Empty after `timeout` seconds."""
+        item = self._items.get(timeout=timeout)
+        if isinstance(item, StreamEnd):
+            self.finished, self.output = True, item.output
+        return item
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while not self.finished:
+            item = self.get()
+            if isinstance(item, StreamEnd):
+                if item.error is not None:
+                    raise RuntimeError(f"request {self.request_id} failed: {item.error}") from item.error
+                return
+            yield item
+
+    def close(self) -> None:
+        if not self.finished:
+            self._core.abort(self.request_id)
+
+    def _put(self, item: TokenEvent | StreamEnd) -> None:
+        self._items.put(item)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()          # guards _streams between callers and the loop
+        self._ids = itertools.count()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- commands (any thread) ----------------------------------------------------------------
+    def add(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+            request_id: str | None = None, n: int = 1, cache_salt: str | None = None) -> RequestStream:
+        """Queue a request and return its stream. ValueError for input the engine refuses
+        (nothing is queued then)."""
+        params = params or SamplingParams(temperature=0.0)
+        ids = self.engine.check_request(prompt, params, n=n)
+        with self._lock:
+            request_id = f"core-{next(self._ids)}" if request_id is None else str(request_id)
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            stream = self._streams[request_id] = RequestStream(request_id, self)
+        self._commands.put(AddRequest(request_id, ids, params, n, cache_salt))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+        self._wake.set()
+
+    @property
+    def open_requests(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # -- the loop (one thread) ----------------------------------------------------------------
+    def run_once(self) -> bool:
+        """Apply the queued commands, run one engine step, route its events. True while any
+        request is still unfinished."""
+        self._apply_commands()
+        try:
+            events = self.engine.step()
+        except Exception as error:  # a failed step must not strand its requests' blocks
+            self._fail_all(error)
+            return False
+        self._route(events)
+        return self.engine.has_unfinished()
+
+    def run_until_idle(self) -> None:
+        while self.run_once():
+            pass
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the core's loop is already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="labkit-engine-core", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still open are aborted and their streams ended."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._lock:
+            open_ids = list(self._streams)
+        for request_id in open_ids:
+            self.abort(request_id)
+        self._apply_commands()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.run_once() and self._commands.empty():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, AddRequest):
+                try:
+                    self.engine.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
+                                            n=command.n, cache_salt=command.cache_salt)
+                except ValueError as error:
+                    self._end(command.request_id, StreamEnd(None, error))
+            elif command.request_id in self.engine.requests:
+                self.engine.abort(command.request_id)
+                self._release(command.request_id)
+            # an abort for a request that has already ended (or never started) changes nothing
+
+    def _route(self, events: list[TokenEvent]) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        finished = set()
+        for event in events:
+            stream = streams.get(event.request_id)
+            if stream is not None:
+                stream._put(event)
+            if event.finished:
+                finished.add(event.request_id)
+        for request_id in finished:
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        request = self.engine.requests.get(request_id)
+        if request is not None and request.done:
+            self._end(request_id, StreamEnd(self.engine.release(request_id)))
+
+    def _end(self, request_id: str, end: StreamEnd) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(end)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self.engine.release(request_id)
+            self._end(request_id, StreamEnd(None, error))

@@ -1,0 +1,493 @@
+"""What attention costs: peak memory and time of naive attention vs PyTorch's SDPA.
+
+Chapter 8 measures the attention implementations of :mod:`labkit.kernels.attention` over
+sequence length, beside the closed-form size of the score tensor that naive attention
+materialises::
+
+    from labkit.experiments.attention_cost import SMOLLM2, sweep
+    records = sweep([256, 1024], ["naive", "sdpa"], SMOLLM2, mode="prefill")
+    records[0]["peak_bytes"], records[0]["formula_bytes"], records[0]["median_s"]
+
+Two shapes of problem:
+
+- ``prefill``: ``q_len == kv_len == length``, causal (a prompt attends to itself);
+- ``decode``: ``q_len == 1`` against ``kv_len == length`` cached keys and values (one new
+  token), where the score tensor is tiny and the time is spent reading K and V.
+
+Memory is measured with :class:`labkit.util.timing.PeakMemory` around the timed calls:
+on the CPU, the peak resident set size (RSS) above the level before the calls; on CUDA,
+the allocator's peak above what was allocated before (exact, not sampled). Each call frees
+its temporaries before the next one starts, so the peak over several calls is the peak of
+one call. RSS counts pages the process took from the operating system: tensors smaller
+than glibc's mmap threshold (up to 32 MiB) can reuse pages the process already holds and
+then do not show at all, so read the CPU numbers for large tensors only.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from labkit.util.timing import PeakMemory, measure, num_threads, synchronize
+from labkit.kernels.attention import causal_mask, naive_attention, score_tensor_bytes, sdpa_attention
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model side of an attention problem: batch, query heads, KV heads, head size.
+
+    ``kv_heads < heads`` is grouped-query attention (each KV head serves
+    ``heads // kv_heads`` query heads); ``kv_heads == heads`` is multi-head attention.
+    """
+
+    name: str
+    batch: int = 1
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+SMOLLM2 = AttentionShape("SmolLM2 9q/3kv", batch=1, heads=9, kv_heads=3, head_dim=64)
+"""One layer of SmolLM2-135M's attention: 9 query heads share 3 KV heads, head_dim 64."""
+
+MHA12 = AttentionShape("MHA 12 heads", batch=1, heads=12, kv_heads=12, head_dim=64)
+"""GPT-2's attention (the source's shape): 12 heads, each with its own K and V, head_dim 64."""
+
+
+def sdpa_enable_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal: bool = True) -> torch.Tensor:
+    """SDPA told about the grouping (``enable_gqa=True``) and the causal mask
+    (``is_causal=True``) instead of being given a materialised boolean mask.
+
+    ``is_causal`` in SDPA is aligned to the top-left corner, which equals labkit's
+    end-aligned mask only when ``q_len == kv_len``; a single query (decode) needs no mask;
+    any other causal shape falls back to an explicit ``[q_len, kv_len]`` mask.
+    """
+    steps, kv_len = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    kwargs = {"enable_gqa": True} if gqa else {}
+    if not causal or steps == 1:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if steps == kv_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    mask = causal_mask(steps, kv_len, 1, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "naive": naive_attention,
+    "sdpa": sdpa_attention,
+    "sdpa_gqa": sdpa_enable_gqa,
+}
+"""The implementations a sweep can name: labkit's naive and SDPA paths, and SDPA with
+``enable_gqa``/``is_causal`` (no materialised mask)."""
+
+
+def attention_inputs(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
+                     head_dim: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                     device: str | torch.device = "cpu"):
+    """Seeded standard-normal ``(q, k, v)``: q ``[batch, heads, q_len, head_dim]``, k and v
+    ``[batch, kv_heads, kv_len, head_dim]``, drawn in float32 on the CPU (so every dtype and
+    device sees the same values, rounded) and then cast and moved."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, q_len, head_dim, generator=g)
+    k = torch.randn(batch, kv_heads, kv_len, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, kv_len, head_dim, generator=g)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def formula_bytes(shape: AttentionShape, q_len: int, kv_len: int,
+                  dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Closed-form sizes for one attention call.
+
+    - ``score``: one ``[batch, heads, q_len, kv_len]`` score tensor,
+      ``batch * heads * q_len * kv_len * bytes per element``;
+    - ``score_softmax``: the score tensor and the softmax output alive together (2x);
+    - ``output``: the ``[batch, heads, q_len, head_dim]`` result;
+    - ``kv``: the keys and values read, ``2 * batch * kv_heads * kv_len * head_dim * bytes``.
+    """
+    score = score_tensor_bytes(shape.batch, shape.heads, q_len, kv_len, dtype)
+    size = element_bytes(dtype)
+    return {
+        "score": score,
+        "score_softmax": 2 * score,
+        "output": shape.batch * shape.heads * q_len * shape.head_dim * size,
+        "kv": 2 * shape.batch * shape.kv_heads * kv_len * shape.head_dim * size,
+    }
+
+
+def naive_peak_model(shape: AttentionShape, q_len: int, kv_len: int,
+                     dtype: torch.dtype = torch.float32) -> int:
+    """Bytes that :func:`~labkit.kernels.attention.naive_attention` holds at its peak, read
+    off its code. Two moments compete:
+
+    - masking: the scores and their masked copy (``dtype`` each), with the boolean causal
+      mask ``[group * q_len, kv_len]`` and its negation ``~mask``;
+    - softmax: the masked scores (``dtype``), their float32 copy (none when ``dtype`` is
+      float32) and the float32 softmax output, with the mask.
+
+    In float32 the first wins: 2 score tensors and 2 masks. In a 2-byte dtype the second:
+    2 + 4 + 4 = 10 bytes per score (5 score tensors) and 1 mask. In decode (``q_len == 1``)
+    the mask is all-True and tiny; it is counted all the same."""
+    elements = shape.batch * shape.heads * q_len * kv_len
+    size = element_bytes(dtype)
+    mask = shape.group * q_len * kv_len
+    masking = 2 * size * elements + 2 * mask
+    softmax = (2 * size if size == 4 else size + 4 + 4) * elements + mask
+    return max(masking, softmax)
+
+
+def default_schedule(length: int) -> tuple[int, int]:
+    """``(warmup, repeats)`` for a problem of ``length`` tokens: long runs are slow and
+    large, so they are repeated less (from 4,096 tokens the only untimed call is the one that
+    measures memory; from 8,192 one timed call)."""
+    if length <= 1024:
+        return 1, 5
+    if length <= 2048:
+        return 1, 3
+    if length <= 4096:
+        return 0, 2
+    return 0, 1
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _release(device: torch.device) -> None:
+    """Collect garbage (``gc.freeze()`` in the caller keeps this cheap) and, on CUDA, return
+    the allocator's cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len: int | None = None,
+                      *, dtype: torch.dtype = torch.float32, repeats: int | None = None,
+                      warmup: int | None = None, causal: bool = True,
+                      device: str | torch.device = "cpu", seed: int = 0,
+                      threads: int | None = None, memory_fraction: float = 0.7) -> dict:
+    """Measure one attention implementation's peak memory, then time it.
+
+    The inputs are built first (they are not counted). The first call runs alone inside
+    :class:`~labkit.util.timing.PeakMemory` (so the memory sampler never competes with the
+    timed calls) and is the first warm-up call; then ``warmup - 1`` more untimed and
+    ``repeats`` timed calls go through :func:`~labkit.util.timing.measure` (at least one
+    untimed call always happens: ``warmup=0`` means only the memory call). Returns a
+    flat record: the problem (impl, shape fields, mode, dtype, device, q_len, kv_len), the
+    timing (``median_s``, ``p25_s``, ``p75_s``, ``spread``, ``repeats``, ``warmup``,
+    ``threads``), the memory (``peak_rss_bytes``; ``peak_cuda_bytes`` on CUDA, else None;
+    ``peak_bytes``, the one of them that is exact for the device), the formulas
+    (``formula_bytes`` = one score tensor, ``formula_softmax_bytes``, ``output_bytes``,
+    ``kv_bytes``, ``naive_model_bytes``) and ``kv_gb_per_s`` (K/V bytes over the median
+    time). When the naive path's predicted peak exceeds ``memory_fraction`` of the free
+    memory, nothing runs and ``skipped`` gives the reason (timing and memory are None).
+    Inputs and outputs are freed before returning.
+    """
+    if impl_name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {impl_name!r}; known: {sorted(IMPLEMENTATIONS)}")
+    kv_len = q_len if kv_len is None else kv_len
+    device = torch.device(device)
+    if warmup is None or repeats is None:
+        default_warmup, default_repeats = default_schedule(max(q_len, kv_len))
+        warmup = default_warmup if warmup is None else warmup
+        repeats = default_repeats if repeats is None else repeats
+    sizes = formula_bytes(shape, q_len, kv_len, dtype)
+    record = {
+        "impl": impl_name, **{f"shape_{k}": v for k, v in asdict(shape).items()},
+        "mode": "decode" if q_len == 1 else "prefill", "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device), "q_len": q_len, "kv_len": kv_len, "causal": causal,
+        "formula_bytes": sizes["score"], "formula_softmax_bytes": sizes["score_softmax"],
+        "output_bytes": sizes["output"], "kv_bytes": sizes["kv"],
+        "naive_model_bytes": naive_peak_model(shape, q_len, kv_len, dtype),
+        "median_s": None, "p25_s": None, "p75_s": None, "spread": None, "repeats": 0,
+        "warmup": warmup, "threads": None, "peak_rss_bytes": None, "peak_cuda_bytes": None,
+        "peak_bytes": None, "kv_gb_per_s": None, "skipped": None,
+    }
+    needed = record["naive_model_bytes"] if impl_name == "naive" else 4 * sizes["output"]
+    available = _available_bytes(device)
+    if needed > memory_fraction * available:
+        record["skipped"] = (f"needs about {needed / GiB:.1f} GiB; "
+                             f"{available / GiB:.1f} GiB free on {device}")
+        return record
+
+    impl = IMPLEMENTATIONS[impl_name]
+    q, k, v = attention_inputs(shape.batch, shape.heads, shape.kv_heads, q_len, kv_len,
+                               shape.head_dim, dtype, seed, device)
+
+    def call() -> None:
+        impl(q, k, v, causal=causal)  # the result is dropped at once
+
+    on_cuda = device.type == "cuda"
+    cuda_start = torch.cuda.memory_allocated(device) if on_cuda else 0
+    with num_threads(threads):  # the first call: memory measured, and a warm-up for timing
+        with PeakMemory(device=device if on_cuda else None) as peak:
+            call()
+            synchronize(device if on_cuda else None)
+    timing = measure(call, name=f"{impl_name} {shape.name} {q_len}x{kv_len}",
+                     repeats=repeats, warmup=max(warmup - 1, 0), threads=threads,
+                     device=device if on_cuda else None)
+    del q, k, v
+    _release(device)
+    record.update({
+        "median_s": timing.median, "p25_s": timing.quantile(0.25),
+        "p75_s": timing.quantile(0.75), "spread": timing.spread, "repeats": len(timing.samples),
+        "warmup": max(warmup, 1),
+        "threads": timing.threads, "peak_rss_bytes": peak.rss_delta_bytes,
+        "kv_gb_per_s": sizes["kv"] / timing.median / 1e9,
+    })
+    if on_cuda:
+        record["peak_cuda_bytes"] = peak.cuda_peak_bytes - cuda_start
+    record["peak_bytes"] = record["peak_cuda_bytes"] if on_cuda else record["peak_rss_bytes"]
+    return record
+
+
+def sweep(lengths: Iterable[int], impls: Sequence[str], shape: AttentionShape,
+          mode: str = "prefill", *, dtype: torch.dtype = torch.float32,
+          device: str | torch.device = "cpu", repeats: int | None = None,
+          warmup: int | None = None, seed: int = 0, threads: int | None = None) -> list[dict]:
+    """:func:`measure_attention` for every length and implementation, one at a time
+    (each run deletes its tensors and collects garbage before the next).
+
+    ``mode="prefill"``: ``q_len = kv_len = length``, causal. ``mode="decode"``:
+    ``q_len = 1`` against ``kv_len = length`` cached keys (the mask is then all-True and
+    is skipped). ``repeats``/``warmup`` default to :func:`default_schedule` by length.
+    """
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+    records = []
+    for length in lengths:
+        q_len = length if mode == "prefill" else 1
+        for name in impls:
+            records.append(measure_attention(name, shape, q_len, length, dtype=dtype,
+                                             repeats=repeats, warmup=warmup, device=device,
+                                             seed=seed, threads=threads))
+    return records
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s numbers at ``value`` (unit in the last place)."""
+    if value == 0:
+        return torch.finfo(dtype).tiny
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(value)))
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        causal: bool = True) -> torch.Tensor:
+    """Float64 attention with the KV heads repeated explicitly and an end-aligned mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], 1, q.device), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def agreement(shape: AttentionShape, lengths: Iterable[int], dtypes: Sequence[torch.dtype],
+              impls: Sequence[str] = ("naive", "sdpa"), *, ulps: float = 8.0, seed: int = 0,
+              device: str | torch.device = "cpu") -> list[dict]:
+    """Do two implementations give the same answer, within the rounding of the dtype?
+
+    For each length (prefill-shaped, causal) and dtype: ``max_abs_diff`` = max |a - b|
+    between the first two ``impls``, each one's max error against a float64 reference on
+    the same (rounded) inputs, and ``tolerance`` = ``ulps`` units in the last place of
+    ``dtype`` at the largest output magnitude. ``passed`` is ``max_abs_diff <= tolerance``.
+    """
+    first, second = IMPLEMENTATIONS[impls[0]], IMPLEMENTATIONS[impls[1]]
+    rows = []
+    for length in lengths:
+        for dtype in dtypes:
+            q, k, v = attention_inputs(shape.batch, shape.heads, shape.kv_heads, length, length,
+                                       shape.head_dim, dtype, seed, device)
+            a, b = first(q, k, v).double(), second(q, k, v).double()
+            ref = reference_attention(q, k, v)
+            tolerance = ulps * ulp(ref.abs().max().item(), dtype)
+            diff = (a - b).abs().max().item()
+            rows.append({
+                "shape": shape.name, "length": length, "dtype": str(dtype).replace("torch.", ""),
+                "max_abs_diff": diff, f"{impls[0]}_vs_fp64": (a - ref).abs().max().item(),
+                f"{impls[1]}_vs_fp64": (b - ref).abs().max().item(), "tolerance": tolerance,
+                "passed": diff <= tolerance,
+            })
+            del q, k, v, a, b, ref
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# Tables and figures for the chapter
+# ------------------------------------------------------------------------------------------
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache level (Linux sysfs), or None where it cannot be read."""
+    from pathlib import Path
+
+    best = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * unit)
+    return best
+
+
+def records_frame(records: Sequence[dict]):
+    """A pandas DataFrame of sweep records with readable columns added: ``length``
+    (kv_len), ``median_ms``, ``peak_mib``, ``formula_mib`` (one score tensor),
+    ``peak_over_formula``, ``peak_over_model`` (measured / :func:`naive_peak_model`, which
+    describes the naive path only) and ``kv_mib``."""
+    import pandas as pd
+
+    df = pd.DataFrame(list(records))
+    df["length"] = df["kv_len"]
+    df["median_ms"] = df["median_s"].astype(float) * 1e3
+    df["peak_mib"] = df["peak_bytes"].astype(float) / MiB
+    df["formula_mib"] = df["formula_bytes"] / MiB
+    df["peak_over_formula"] = df["peak_bytes"].astype(float) / df["formula_bytes"]
+    df["peak_over_model"] = df["peak_bytes"].astype(float) / df["naive_model_bytes"]
+    df["kv_mib"] = df["kv_bytes"] / MiB
+    return df
+
+
+def formula_table(shapes: Sequence[AttentionShape], lengths: Iterable[int],
+                  dtypes: Sequence[torch.dtype]):
+    """GiB of one prefill score tensor (``q_len = kv_len = length``) for each shape, length
+    and dtype: a DataFrame with columns shape, length, and one per dtype."""
+    import pandas as pd
+
+    rows = []
+    for shape in shapes:
+        for length in lengths:
+            row = {"shape": shape.name, "length": length}
+            for dtype in dtypes:
+                row[str(dtype).replace("torch.", "")] = formula_bytes(shape, length, length, dtype)["score"] / GiB
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def speedups(df, baseline: str = "naive"):
+    """Per shape, dtype and length: ``median_s`` of ``baseline`` divided by that of each other
+    implementation (a ratio of two timings from the same run). Columns: shape_name, dtype,
+    length, impl, ratio."""
+    import pandas as pd
+
+    rows = []
+    for (shape, dtype, length), group in df.groupby(["shape_name", "dtype", "length"], sort=False):
+        times = dict(zip(group["impl"], group["median_s"]))
+        base = times.get(baseline)
+        for impl, t in times.items():
+            if impl != baseline and base is not None and t is not None and t == t:
+                rows.append({"shape_name": shape, "dtype": dtype, "length": length,
+                             "impl": impl, "ratio": base / t})
+    return pd.DataFrame(rows, columns=["shape_name", "dtype", "length", "impl", "ratio"])
+
+
+def _series(df):
+    from labkit.util.palette import MARKERS
+
+    for i, ((shape, impl), group) in enumerate(df.groupby(["shape_name", "impl"], sort=False)):
+        yield i, f"{impl}, {shape}", group.sort_values("length"), MARKERS[i % len(MARKERS)]
+
+
+def plot_memory(ax, df, floor_mib: float = 1.0) -> None:
+    """Measured peak (MiB) against one score tensor's formula size (MiB), log-log, one series
+    per shape and implementation, with the lines 'peak = 1 score tensor' and '= 2'.
+
+    RSS moves in pages and misses what the process already held, so peaks below
+    ``floor_mib`` say only "small": they are drawn as hollow markers on the floor line
+    instead of at their (meaningless) values."""
+    lo, hi = df["formula_mib"].min(), df["formula_mib"].max()
+    for factor, style in ((1, ":"), (2, "--")):
+        ax.plot([lo, hi], [factor * lo, factor * hi], color="0.5", linestyle=style, linewidth=1,
+                label=f"{factor} score tensor{'s' if factor > 1 else ''} (formula)")
+    from labkit.util.palette import OKABE_ITO
+
+    ax.axhline(floor_mib, color="0.75", linewidth=1)
+    for i, label, group, marker in _series(df):
+        color = OKABE_ITO[i % len(OKABE_ITO)]
+        above = group[group["peak_mib"] >= floor_mib]
+        below = group[group["peak_mib"] < floor_mib]
+        ax.plot(above["formula_mib"], above["peak_mib"], marker=marker, color=color, label=label)
+        ax.plot(below["formula_mib"], [floor_mib] * len(below), linestyle="none", marker=marker,
+                markerfacecolor="white", markeredgecolor=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("one score tensor, formula (MiB)")
+    ax.set_ylabel("measured peak (MiB)")
+
+
+def plot_times(ax, df) -> None:
+    """Median time per call (ms) against sequence length, log-log, one series per shape and
+    implementation."""
+    for i, label, group, marker in _series(df):
+        ax.plot(group["length"], group["median_ms"], marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("time per call (ms)")
+
+
+def plot_ratios(ax, ratios) -> None:
+    """Time of naive attention divided by each other implementation's, against length; one
+    line style per dtype when there are several."""
+    from labkit.util.palette import MARKERS
+
+    from labkit.util.palette import LINESTYLES
+
+    keys = ["shape_name", "impl", "dtype"]
+    dtypes = list(dict.fromkeys(ratios["dtype"]))
+    for i, ((shape, impl, dtype), group) in enumerate(ratios.groupby(keys, sort=False)):
+        group = group.sort_values("length")
+        label = f"naive / {impl}, {shape}" + (f", {dtype}" if len(dtypes) > 1 else "")
+        ax.plot(group["length"], group["ratio"], marker=MARKERS[i % len(MARKERS)],
+                linestyle=LINESTYLES[dtypes.index(dtype) % len(LINESTYLES)], label=label)
+    ax.axhline(1.0, color="0.5", linewidth=1, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("time ratio (naive / other)")
+
+
+def plot_decode_bandwidth(ax, df, cache_bytes: int | None = None) -> None:
+    """Decode-shaped calls: K/V bytes read per second (GB/s) against the K/V bytes (MiB),
+    log x; a vertical line at the last-level cache size when it is known."""
+    for i, label, group, marker in _series(df):
+        ax.plot(group["kv_mib"], group["kv_gb_per_s"], marker=marker, label=label)
+    if cache_bytes:
+        ax.axvline(cache_bytes / MiB, color="0.5", linewidth=1, linestyle="--",
+                   label="last-level cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("keys and values read per call (MiB)")
+    ax.set_ylabel("K/V read rate (GB/s)")
+
+
+__all__ = [
+    "AttentionShape", "SMOLLM2", "MHA12", "IMPLEMENTATIONS", "sdpa_enable_gqa",
+    "attention_inputs", "element_bytes", "formula_bytes", "naive_peak_model",
+    "default_schedule", "measure_attention", "sweep", "ulp", "reference_attention", "agreement",
+    "GiB", "MiB", "last_level_cache_bytes", "records_frame", "formula_table", "speedups", "plot_memory",
+    "plot_times", "plot_ratios", "plot_decode_bandwidth",
+]

@@ -1,0 +1,272 @@
+"""Chapter 13's study of block-wise attention: peak memory (exact, from the profiler's
+allocation events) and time of each attention method on causal prefills of growing
+length, the time ratios between methods, and the chapter's figures. The algorithm itself
+is in :mod:`labkit.kernels.blockwise`."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class AllocationPeak:
+    """What the CPU allocator handed out during one call, from torch's profiler.
+
+    ``peak_bytes``: the highest total of live allocations made during the call (above what
+    was live before it; the inputs are not counted, the returned tensor is, until it is
+    dropped); ``allocated_bytes``: the sum of all allocations; ``allocations``: how many;
+    ``result_bytes``: bytes of the returned tensor."""
+
+    peak_bytes: int
+    allocated_bytes: int
+    allocations: int
+    result_bytes: int
+
+    @property
+    def extra_bytes(self) -> int:
+        """Peak minus the result itself: the memory the method needs beyond its output."""
+        return self.peak_bytes - self.result_bytes
+
+
+@contextmanager
+def _quiet_native_stderr():
+    """Send what native code writes to file descriptor 2 to /dev/null for a moment (Python's
+    own ``sys.stderr`` is flushed first and is otherwise untouched)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
+def allocation_peak(fn: Callable[[], Any]) -> AllocationPeak:
+    """Run ``fn()`` once under ``torch.profiler`` with ``profile_memory=True`` and return the
+    peak of its live allocations, exact to the byte (every allocation and free the CPU
+    allocator reports, summed in time order), unlike sampling the resident set size, which
+    misses small and short-lived tensors. The result of ``fn`` is dropped inside the
+    profiled region. The profiler slows the call down: use it for memory, never for time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    result_bytes = 0
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():  # the profiler logs its start and stop to file descriptor 2
+        prof.__enter__()
+    try:
+        result = fn()
+        if isinstance(result, torch.Tensor):
+            result_bytes = result.untyped_storage().nbytes()
+        del result
+    finally:
+        with _quiet_native_stderr():
+            prof.__exit__(None, None, None)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = allocated = count = 0
+    for e in events:
+        size = e.nbytes()
+        live += size
+        peak = max(peak, live)
+        if size > 0:
+            allocated += size
+            count += 1
+    return AllocationPeak(peak_bytes=peak, allocated_bytes=allocated, allocations=count,
+                          result_bytes=result_bytes)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def compare_methods(methods: dict[str, Callable[..., torch.Tensor]], lengths, *, batch: int = 1,
+                    heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    repeats: int = 3, warmup: int = 1, threads: int | None = None,
+                    seed: int = 0, memory_fraction: float = 0.7) -> list[dict]:
+    """Peak memory, then time, of each attention method on a causal prefill of each length.
+
+    For every length, seeded inputs are built once (``attention_inputs`` of
+    :mod:`labkit.experiments.attention_cost`; not counted). Each method is called once for memory
+    (CPU: :func:`allocation_peak`, exact allocator bytes; CUDA: the allocator's peak above
+    what was allocated before), which is also the first warm-up call; then ``warmup - 1``
+    more untimed and ``repeats`` timed calls through :func:`labkit.util.timing.measure`.
+    A method named ``"naive"`` is skipped (``skipped`` says why) when its predicted peak
+    (``naive_peak_model``) exceeds ``memory_fraction`` of the free memory. Returns one flat
+    record per (length, method): method, length, dtype, device, median_s, p25_s, p75_s,
+    repeats, threads, peak_bytes, result_bytes, extra_bytes (peak minus the output),
+    score_bytes (one score tensor, the formula), naive_model_bytes, skipped."""
+    from labkit.experiments.attention_cost import AttentionShape, attention_inputs, naive_peak_model
+    from labkit.util.timing import measure, num_threads, synchronize
+    from labkit.kernels.attention import score_tensor_bytes
+
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    shape = AttentionShape("compare", batch=batch, heads=heads, kv_heads=kv_heads,
+                           head_dim=head_dim)
+    records = []
+    for length in lengths:
+        q, k, v = attention_inputs(batch, heads, kv_heads, length, length, head_dim, dtype,
+                                   seed, device)
+        naive_model = naive_peak_model(shape, length, length, dtype)
+        for name, fn in methods.items():
+            record = {"method": name, "length": length, "dtype": str(dtype).replace("torch.", ""),
+                      "device": str(device), "median_s": None, "p25_s": None, "p75_s": None,
+                      "repeats": 0, "threads": None, "peak_bytes": None, "result_bytes": None,
+                      "extra_bytes": None,
+                      "score_bytes": score_tensor_bytes(batch, heads, length, length, dtype),
+                      "naive_model_bytes": naive_model, "skipped": None}
+            records.append(record)
+            if name == "naive" and naive_model > memory_fraction * _free_bytes(device):
+                record["skipped"] = (f"needs about {naive_model / 2**30:.1f} GiB; "
+                                     f"{_free_bytes(device) / 2**30:.1f} GiB free")
+                continue
+
+            def call(fn=fn):
+                return fn(q, k, v)
+
+            with num_threads(threads):
+                if on_cuda:
+                    synchronize(device)
+                    start = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    out = call()
+                    synchronize(device)
+                    peak = torch.cuda.max_memory_allocated(device) - start
+                    result = out.untyped_storage().nbytes()
+                    del out
+                else:
+                    alloc = allocation_peak(call)
+                    peak, result = alloc.peak_bytes, alloc.result_bytes
+            timing = measure(call, name=f"{name} {length}", repeats=repeats,
+                             warmup=max(warmup - 1, 0), threads=threads,
+                             device=device if on_cuda else None)
+            record.update(median_s=timing.median, p25_s=timing.quantile(0.25),
+                          p75_s=timing.quantile(0.75), repeats=len(timing.samples),
+                          threads=timing.threads, peak_bytes=peak, result_bytes=result,
+                          extra_bytes=peak - result)
+        del q, k, v
+        if on_cuda:
+            torch.cuda.empty_cache()
+    return records
+
+
+def records_frame(records):
+    """A DataFrame of :func:`compare_methods` records with ``median_ms``, ``peak_mib``,
+    ``extra_mib``, ``result_mib`` and ``score_mib`` added."""
+    import pandas as pd
+
+    df = pd.DataFrame(list(records))
+    df["median_ms"] = df["median_s"].astype(float) * 1e3
+    for col in ("peak", "extra", "result", "score"):
+        df[f"{col}_mib"] = df[f"{col}_bytes"].astype(float) / 2**20
+    return df
+
+
+def time_ratios(df, pairs):
+    """For each length, ``median_s`` of one method divided by another's (both from the same
+    run): ``pairs`` is a list of ``(numerator, denominator)`` method names. Columns: length,
+    pair (``"a / b"``), ratio."""
+    import pandas as pd
+
+    times = df.pivot_table(index="length", columns="method", values="median_s")
+    rows = [{"length": int(n), "pair": f"{a} / {b}", "ratio": times.loc[n, a] / times.loc[n, b]}
+            for a, b in pairs for n in times.index
+            if a in times and b in times and times.loc[n, a] == times.loc[n, a]
+            and times.loc[n, b] == times.loc[n, b]]
+    return pd.DataFrame(rows, columns=["length", "pair", "ratio"])
+
+
+def plain_log_ticks(axis) -> None:
+    """Label a log-scaled matplotlib axis (``ax.xaxis`` or ``ax.yaxis``) with plain numbers
+    (``0.5``, ``2``, ``300``) instead of powers, labelling only the 1s, 2s, 3s and 5s."""
+    from matplotlib.ticker import FuncFormatter
+
+    def label(value, _):
+        if value <= 0:
+            return ""
+        lead = round(value / 10 ** math.floor(math.log10(value)))
+        return f"{value:g}" if lead in (1, 2, 3, 5) else ""
+
+    axis.set_major_formatter(FuncFormatter(label))
+    axis.set_minor_formatter(FuncFormatter(label))
+
+
+def plot_block_sizes(ax_time, ax_memory, df) -> None:
+    """Block-size sweep (``df`` from :func:`records_frame` with a ``block`` column): median
+    time (ms) and extra allocation (MiB) against the block size, log-log, plain tick labels."""
+    from matplotlib.ticker import NullLocator
+
+    df = df.sort_values("block")
+    for ax, col, label in ((ax_time, "median_ms", "time per call (ms)"),
+                           (ax_memory, "extra_mib", "extra allocated (MiB)")):
+        ax.plot(df["block"], df[col], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(list(df["block"]), [str(b) for b in df["block"]])
+        ax.xaxis.set_minor_locator(NullLocator())
+        plain_log_ticks(ax.yaxis)
+        ax.set_xlabel("block size Br = Bc")
+        ax.set_ylabel(label)
+
+
+def plot_peaks(ax, df, formulas=None) -> None:
+    """Measured peak allocation (MiB) against length, one series per method (log-log);
+    ``formulas``: optional ``{label: (lengths, mib)}`` drawn as grey dashed/dotted lines."""
+    from labkit.util.palette import LINESTYLES, MARKERS
+
+    for i, (label, (xs, ys)) in enumerate((formulas or {}).items()):
+        ax.plot(xs, ys, color="0.55", linewidth=1, linestyle=LINESTYLES[(i + 1) % len(LINESTYLES)],
+                label=label)
+    for i, (method, group) in enumerate(df.groupby("method", sort=False)):
+        group = group.sort_values("length")
+        ax.plot(group["length"], group["peak_mib"], marker=MARKERS[i % len(MARKERS)],
+                label=f"{method} (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak allocated (MiB)")
+
+
+def _plot_series(ax, df, by: str, y: str, ylabel: str) -> None:
+    """One line per group of `by`, `y` against length, log-log."""
+    from labkit.util.palette import MARKERS
+
+    for i, (name, group) in enumerate(df.groupby(by, sort=False)):
+        group = group.sort_values("length")
+        ax.plot(group["length"], group[y], marker=MARKERS[i % len(MARKERS)], label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(ylabel)
+
+
+def plot_times(ax, df) -> None:
+    """Median time per call (ms) against length, one series per method (log-log)."""
+    _plot_series(ax, df, "method", "median_ms", "time per call (ms)")
+
+
+def plot_ratios(ax, ratios) -> None:
+    """Time ratios against length, one series per pair, with a line at 1 (log y)."""
+    _plot_series(ax, ratios, "pair", "ratio", "time ratio")
+    ax.axhline(1.0, color="0.5", linewidth=1, linestyle=":")
+    plain_log_ticks(ax.yaxis)
+
+
+__all__ = ["AllocationPeak", "allocation_peak", "compare_methods", "records_frame", "time_ratios",
+           "plot_peaks", "plot_times", "plot_ratios", "plain_log_ticks", "plot_block_sizes"]

@@ -1,0 +1,315 @@
+"""Chapter 18's experiments: the decode step under `torch.compile` (Inductor on a CPU, which
+writes C++ and builds it with the system compiler), what makes Dynamo recompile, and what
+happens when the compiler is not on PATH.
+
+Two details make the step compile at all on torch 2.13 (CPU). `Llama.forward` runs under
+`torch.inference_mode()`, and compiling a step that writes into views of the cache under
+inference mode fails inside AOT functionalization ("Cannot set version_counter for
+inference tensor", pytorch/pytorch#180823): the step calls the undecorated forward
+(`Llama.forward.__wrapped__`) under `torch.no_grad()`, with caches of ordinary tensors.
+And `StaticCache` keeps its position in a tensor only: a Python int that changes every
+step (as the contiguous cache's `length`) is a value Dynamo guards on, so it recompiles.
+
+The compiled function takes the model as an argument (`forward_step(model, ids, cache)`), so
+one compiled function can meet a model of another dtype, and a guard on dtype shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from labkit.engine.loop import greedy_continue
+from labkit.models.llama import KVCache, Llama, shallow_copy
+
+@dataclasses.dataclass
+class CompileCounter:
+    """An Inductor backend that records each graph it compiles (and how long it took)."""
+    graphs: list[int] = dataclasses.field(default_factory=list)      # nodes per compiled graph
+    seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        start = time.perf_counter()
+        compiled = compile_fx(gm, example_inputs)
+        self.graphs.append(len(gm.graph.nodes))
+        self.seconds.append(time.perf_counter() - start)
+        return compiled
+
+
+FORWARD = Llama.forward.__wrapped__  # the forward pass without its inference_mode decorator
+
+
+class StaticCache(KVCache):
+    """A KV cache of fixed shape whose write position is a tensor: every decode step has the
+    same shapes and the same Python values, so one compiled graph serves every position.
+    Attention covers all `max_len` slots under a mask. Decode steps only (one new token)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: int = 0):
+        super().__init__(keys, values, position)
+        self.position = torch.tensor(position, dtype=torch.long)
+
+    @classmethod
+    def for_model(cls, model: Llama, batch: int, max_len: int) -> "StaticCache":
+        empty = KVCache.empty(model.config, batch, max_len, model.dtype)
+        return cls(empty.keys, empty.values)
+
+    def positions(self, steps: int, limit: int) -> torch.Tensor:
+        # The bound is checked by the caller (`greedy_decode`): comparing a tensor with a
+        # Python int would need its value, which a graph cannot have at trace time.
+        return self.position + torch.arange(steps)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, kv_heads, group, steps, dim = q.shape
+        if steps != 1:
+            raise ValueError("StaticCache serves decode steps (one token per sequence)")
+        keys, values = self.keys[layer, :batch], self.values[layer, :batch]
+        keys.index_copy_(2, self.position.view(1), k)
+        values.index_copy_(2, self.position.view(1), v)
+        visible = (torch.arange(self.max_len) <= self.position).view(1, -1)
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group, dim), keys, values,
+                                             attn_mask=visible)
+        return out.view(batch, kv_heads, group, 1, dim)
+
+    def advance(self, steps: int) -> None:
+        self.position += steps  # a tensor update: no Python value for Dynamo to guard on
+
+
+def forward_step(model: Llama, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decode step: logits [batch, vocab] of the last position (the function we compile)."""
+    return FORWARD(model, token_ids, cache=cache)[:, -1]
+
+
+def compile_step(counter: CompileCounter | None = None, **options):
+    """`torch.compile(forward_step)`, with `counter` as the backend if given. Dynamo's caches
+    are reset first, so graphs from earlier experiments cannot serve this one."""
+    torch._dynamo.reset()
+    return torch.compile(forward_step, backend=counter if counter is not None else "inductor",
+                         **options)
+
+
+@torch.no_grad()
+def prefill(model: Llama, prompt_ids: list[int], static: bool, max_len: int,
+            batch: int = 1) -> tuple[KVCache, torch.Tensor]:
+    """Prefill `prompt_ids` (eagerly, every row the same) into a fresh cache of `max_len`
+    slots; returns the cache (a StaticCache if `static`) and the last position's logits."""
+    if len(prompt_ids) >= min(max_len, model.rope_cos.shape[0]):
+        raise ValueError("the prompt fills the cache")
+    contiguous = model.new_cache(batch, max_len)
+    logits = FORWARD(model, torch.tensor([prompt_ids] * batch), cache=contiguous, last_only=True)
+    if not static:
+        return contiguous, logits[:, -1]
+    cache = StaticCache(contiguous.keys, contiguous.values)
+    cache.position.fill_(len(prompt_ids))
+    return cache, logits[:, -1]
+
+
+@torch.no_grad()
+def greedy_decode(model: Llama, step, prompt_ids: list[int], new_tokens: int, static: bool,
+                  max_len: int | None = None, batch: int = 1) -> tuple[list[int], list[float]]:
+    """Greedy tokens after `prompt_ids` with `step(model, ids, cache)` (eager `forward_step`
+    or a compiled one) doing every decode step; returns the first row's tokens and each
+    decode step's seconds."""
+    max_len = max_len or len(prompt_ids) + new_tokens
+    if len(prompt_ids) + new_tokens > min(max_len, model.rope_cos.shape[0]):
+        raise ValueError("prompt + new tokens exceed the cache or the model's context")
+    cache, logits = prefill(model, prompt_ids, static, max_len, batch)
+    run = greedy_continue(model, cache, logits, new_tokens, step=step)
+    return run.token_ids, run.step_seconds
+
+
+def step_at(model: Llama, step, cache: KVCache, position: int, token: int = 0):
+    """A zero-argument call of one decode step at `position` (rewinding the cache each time),
+    for `labkit.util.timing.measure`."""
+    ids = torch.full((cache.keys.shape[1], 1), token, dtype=torch.long)
+
+    @torch.no_grad()
+    def call():
+        if isinstance(cache, StaticCache):
+            cache.position.fill_(position)
+        else:
+            cache.length = position
+        return step(model, ids, cache)
+    return call
+
+
+def slice_model(model: Llama, layers: int | None = None, dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None) -> Llama:
+    """A shallow copy of `model` with only its first `layers` layers and/or its tensors cast
+    to `dtype` and/or moved to `device` (for cheap compile experiments, and the GPU). The
+    original is not modified."""
+    out = shallow_copy(model, layers)
+    if (dtype is not None and dtype != model.dtype) or device is not None:
+        out.to(device=device, dtype=dtype)  # new tensors for the copy; a tied head stays tied
+    return out
+
+
+@contextmanager
+def recompile_reasons():
+    """Collect Dynamo's recompilation messages (which guard failed) into a list, quietly."""
+    reasons: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            reasons.append(record.getMessage())
+
+    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+    handler = Catch()
+    torch._logging.set_logs(recompiles=True)  # Dynamo formats the message only when enabled
+    logger.propagate = False                   # ... but we keep it off stderr
+    logger.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+
+
+_GUARD = re.compile(r"^-\s*\d+/\d+:\s*(.*?)(\s+#.*)?$")
+
+
+def first_guard(reason: str) -> str:
+    """The first failed guard named in one recompilation message (without its comment)."""
+    for line in reason.splitlines():
+        match = _GUARD.match(line.strip())
+        if match:
+            return match.group(1).strip()
+    return reason.strip().splitlines()[-1] if reason.strip() else ""
+
+
+def recompile_case(runs: list[tuple], prompt_ids: list[int], new_tokens: int, max_len: int,
+                   **options) -> dict:
+    """Compile `forward_step` once (with `options`) and decode with it for each run
+    (model, static cache?, batch, max_len or 0 for `max_len`[, threads]); count the graphs.
+    Returns graphs, Inductor seconds, the first failed guard of each recompile, and
+    whether every run gave the eager tokens."""
+    from labkit.util.timing import num_threads
+
+    counter = CompileCounter()
+    step = compile_step(counter, **options)
+    same = True
+    with recompile_reasons() as reasons:
+        for model, static, batch, length, *threads in runs:
+            with num_threads(threads[0] if threads else None):
+                got, _ = greedy_decode(model, step, prompt_ids, new_tokens, static,
+                                       length or max_len, batch)
+                want, _ = greedy_decode(model, forward_step, prompt_ids, new_tokens, False,
+                                        length or max_len, batch)
+            same = same and got == want
+    return {"graphs": len(counter.graphs), "inductor_s": sum(counter.seconds),
+            "guards": [first_guard(r) for r in reasons], "identical": same}
+
+
+def break_even_steps(compile_s: float, eager_step_s: float, compiled_step_s: float) -> float:
+    """Decode steps after which the compile time is paid back (inf if compiling saves
+    nothing per step)."""
+    saved = eager_step_s - compiled_step_s
+    return compile_s / saved if saved > 0 else math.inf
+
+
+# -- the environment lesson -----------------------------------------------------------------
+COMPILER_NAMES = ("g++", "c++", "gcc", "cc", "clang++", "clang")
+
+_PROBE = """
+import torch
+f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+x = torch.arange(8.0)
+assert torch.allclose(f(x), torch.sin(x) * 2 + 1)
+print("compiled and ran")
+"""
+
+
+def path_without_compiler(path: str | None = None) -> str:
+    """PATH with every directory that holds a C/C++ compiler removed (the Python
+    interpreter is called by its full path, so it is not needed on PATH)."""
+    keep = []
+    for d in (path if path is not None else os.environ.get("PATH", "")).split(os.pathsep):
+        if d and not any(os.path.exists(os.path.join(d, n)) for n in COMPILER_NAMES):
+            keep.append(d)
+    return os.pathsep.join(keep)
+
+
+def _probe_env(strip_compiler: bool, cache: str) -> dict:
+    env = dict(os.environ)
+    env.pop("CXX", None)
+    env.pop("CC", None)
+    if strip_compiler:
+        env["PATH"] = path_without_compiler(env.get("PATH", ""))
+    env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    return env
+
+
+def compile_in_subprocess(*strip_compiler: bool, timeout: float = 300.0) -> list[dict]:
+    """Compile and run a tiny function with Inductor in fresh Python processes (one per
+    argument, run side by side), each with an empty Inductor cache and CXX unset, with the
+    C++ compiler's directories removed from PATH where the argument is True.
+    Returns, per process: ok, the last error line (if it failed), the PATH, seconds."""
+    with tempfile.TemporaryDirectory(prefix="inductor-probe-") as root:
+        start = time.perf_counter()
+        procs = []
+        for i, strip in enumerate(strip_compiler):
+            env = _probe_env(strip, os.path.join(root, str(i)))
+            procs.append((env, subprocess.Popen([sys.executable, "-c", _PROBE], env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                text=True)))
+        results = []
+        for env, proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            errors = [ln for ln in err.splitlines() if "Error" in ln or "error" in ln]
+            failed = proc.returncode != 0 or "compiled and ran" not in out
+            results.append({"ok": not failed, "error": errors[-1].strip() if failed and errors else "",
+                            "path": env["PATH"], "seconds": time.perf_counter() - start})
+    return results
+
+
+# -- CUDA graphs (runs only where CUDA is present) --------------------------------------------
+@torch.no_grad()
+def cuda_graph_decode(model: Llama, prompt_ids: list[int], new_tokens: int,
+                      max_len: int | None = None) -> dict:
+    """Greedy decode on the GPU twice: eagerly, and by replaying one captured CUDA graph of
+    the decode step (the StaticCache keeps every step's shapes and addresses the same).
+    `model` must already be on the GPU's default device (`torch.set_default_device`).
+    Returns both token lists and the median step milliseconds of each."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    max_len = max_len or len(prompt_ids) + new_tokens
+    eager_tokens, eager_times = greedy_decode(model, forward_step, prompt_ids, new_tokens, True,
+                                              max_len)
+    cache, logits = prefill(model, prompt_ids, True, max_len)
+    ids = logits.argmax(-1, keepdim=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph (allocations, kernels)
+        for _ in range(2):
+            cache.position.fill_(len(prompt_ids))
+            forward_step(model, ids, cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    cache.position.fill_(len(prompt_ids))
+    with torch.cuda.graph(graph):
+        out = forward_step(model, ids, cache)  # `ids` and `out` are the graph's fixed buffers
+    cache.position.fill_(len(prompt_ids))  # capture ran nothing; state is as after prefill
+    tokens, times = [int(ids[0, 0])], []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        graph.replay()
+        ids.copy_(out.argmax(-1, keepdim=True))
+        tokens.append(int(ids[0, 0]))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    median = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
+    return {"eager_tokens": eager_tokens, "graph_tokens": tokens,
+            "eager_ms": median(eager_times), "graph_ms": median(times)}

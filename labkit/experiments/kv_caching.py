@@ -1,0 +1,233 @@
+"""The KV cache, put to the test: exact, faster, how many bytes, and how it fails silently.
+
+Chapter 10 runs these against :class:`labkit.models.llama.KVCache`, the contiguous cache
+that ``model(ids, cache=cache)`` writes and reads:
+
+* :func:`cache_equivalence`: greedy generation with the cache beside the same generation
+  without it (every step re-runs the whole prefix, as
+  :func:`labkit.experiments.naive_generation.generate_naive` does), comparing the tokens and the logits of
+  every step.
+* :func:`speedup_curve`: time of cached vs uncached greedy generation, for a list of
+  (prompt length, output length) cases.
+* :func:`kv_bytes_per_token`: ``2 x layers x kv_heads x head_dim x bytes per element``.
+* :func:`fill_cache`: fill a large cache chunk by chunk (for a memory measurement).
+* :func:`stale_cache_trials`: a cache filled for prompt A continued as if it held prompt B.
+* :func:`perturbed_cache_trials`: a cache filled with one layer's K/V weights perturbed,
+  then continued with the correct weights.
+
+Every trial reports the largest absolute difference between the next-token logits the
+faulty cache gives and the correct ones (``max_abs_err``) and whether the greedy token is
+still the right one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from labkit.util.timing import measure
+from labkit.engine.loop import greedy_decode
+from labkit.experiments.naive_generation import generate_naive
+
+
+def _ids(tokens: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([[int(t) for t in tokens]])
+
+
+def generate_cached(model, prompt_ids: Sequence[int], steps: int,
+                    keep_logits: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy generation with a KV cache: one prefill, then one-token decode steps.
+
+    Returns ``(token_ids, logits)``; ``logits[k]`` (float32, [vocab]) are the scores that
+    chose token ``k`` when ``keep_logits`` is true, else the list is empty.
+    """
+    run = greedy_decode(model, list(prompt_ids), steps, keep_logits=keep_logits)
+    return run.token_ids, run.logits
+
+
+def generate_uncached(model, prompt_ids: Sequence[int],
+                      steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy generation with no cache, keeping every step's logits.
+
+    The loop of :func:`labkit.experiments.naive_generation.generate_naive`: step ``k`` runs the model over
+    the prompt and the ``k`` tokens chosen so far and keeps the last position's scores.
+    """
+    sequence = [int(t) for t in prompt_ids]
+    tokens: list[int] = []
+    kept: list[torch.Tensor] = []
+    for _ in range(steps):
+        logits = model(_ids(sequence), last_only=True)[0, -1]
+        kept.append(logits.float().clone())
+        tokens.append(int(torch.argmax(logits)))
+        sequence.append(tokens[-1])
+    return tokens, kept
+
+
+def cache_equivalence(model, prompt_ids: Sequence[int], steps: int) -> dict:
+    """Generate ``steps`` greedy tokens with and without the KV cache and compare.
+
+    Returns a dict with ``cached`` and ``uncached`` (token ids), ``identical`` (bool),
+    ``step_max_abs_diff`` (per step, the largest |logit difference| over the vocabulary;
+    steps after the first differing token are left out, since their prefixes differ) and
+    ``max_abs_diff`` (the largest of those).
+    """
+    cached, cached_logits = generate_cached(model, prompt_ids, steps, keep_logits=True)
+    uncached, uncached_logits = generate_uncached(model, prompt_ids, steps)
+    diffs = []
+    for a, b, ta, tb in zip(cached_logits, uncached_logits, cached, uncached):
+        diffs.append(float((a - b).abs().max()))
+        if ta != tb:
+            break
+    return {"prompt_tokens": len(prompt_ids), "steps": steps, "cached": cached,
+            "uncached": uncached, "identical": cached == uncached,
+            "step_max_abs_diff": diffs, "max_abs_diff": max(diffs)}
+
+
+def speedup_curve(model, source_ids: Sequence[int], cases: Iterable[tuple[int, int]], *,
+                  repeats: int = 3, warmup: int = 1) -> list[dict]:
+    """Time cached vs uncached greedy generation for each ``(prompt_tokens, new_tokens)``.
+
+    The prompt of a case is ``source_ids[:prompt_tokens]``. The cached path is
+    :func:`generate_cached` (prefill, then one-token steps); the uncached path is
+    :func:`labkit.experiments.naive_generation.generate_naive` (every step re-runs the whole prefix). Both
+    go through :func:`labkit.util.timing.measure`; ``warmup`` untimed calls of both paths
+    are made once, on the first case, before anything is timed (the process is warm after
+    that). Returns one record per case: medians, spreads and ``speedup`` =
+    uncached median / cached median.
+    """
+    records = []
+    for index, (prompt_tokens, new_tokens) in enumerate(cases):
+        if prompt_tokens > len(source_ids):
+            raise ValueError(f"source has {len(source_ids)} tokens, not {prompt_tokens}")
+        prompt = [int(t) for t in source_ids[:prompt_tokens]]
+        ahead = warmup if index == 0 else 0
+        cached = measure(lambda: generate_cached(model, prompt, new_tokens), name="cached",
+                         repeats=repeats, warmup=ahead)
+        uncached = measure(lambda: generate_naive(model, prompt, new_tokens),
+                           name="uncached", repeats=repeats, warmup=ahead)
+        records.append({"prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                        "cached_s": cached.median, "uncached_s": uncached.median,
+                        "cached_spread": cached.spread, "uncached_spread": uncached.spread,
+                        "repeats": repeats, "threads": cached.threads,
+                        "speedup": uncached.median / cached.median})
+    return records
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32,
+                       kv_heads: int | None = None) -> int:
+    """Bytes of cache one token needs: ``2 x layers x kv_heads x head_dim x element size``.
+
+    The 2 is one key and one value vector per KV head per layer. ``kv_heads`` defaults to
+    the model's; pass ``config.num_heads`` for the multi-head (MHA) layout.
+    """
+    heads = config.num_kv_heads if kv_heads is None else kv_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * heads * config.head_dim * element
+
+
+def fill_cache(model, token_ids: Sequence[int], chunk: int = 256):
+    """Prefill ``token_ids`` into a new cache of exactly that many positions, ``chunk``
+    tokens per forward pass (last position's logits only, so the passes stay small).
+    Returns the filled cache."""
+    cache = model.new_cache(1, len(token_ids))
+    for start in range(0, len(token_ids), chunk):
+        model(_ids(token_ids[start:start + chunk]), cache=cache, last_only=True)
+    return cache
+
+
+def eval_prompts(tokenizer, text: str, count: int = 20, length: int = 32) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens cut from ``text`` at evenly spaced offsets
+    (deterministic: the same text gives the same prompts)."""
+    ids = tokenizer.encode(text)
+    if len(ids) < count * length:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than {count} x {length}")
+    step = (len(ids) - length) // count
+    return [ids[i * step:i * step + length] for i in range(count)]
+
+
+def _next_token_logits(model, prompt: Sequence[int], cache=None) -> torch.Tensor:
+    """Scores for the token after ``prompt``; with ``cache`` (holding ``len(prompt) - 1``
+    positions), only the last prompt token is run."""
+    if cache is None:
+        return model(_ids(prompt), last_only=True)[0, -1].float()
+    return model(_ids(prompt[-1:]), cache=cache, last_only=True)[0, -1].float()
+
+
+def _compare(faulty: torch.Tensor, correct: torch.Tensor) -> dict:
+    right = int(torch.argmax(correct))
+    chosen = int(torch.argmax(faulty))
+    return {"max_abs_err": float((faulty - correct).abs().max()),
+            "right_token": right, "chosen_token": chosen, "right": chosen == right}
+
+
+def stale_cache_trials(model, prompts: Sequence[Sequence[int]], shift: int = 1) -> list[dict]:
+    """A cache reused for a different prompt of the same length, one trial per prompt.
+
+    Trial ``i`` fills a cache with all but the last token of prompt A =
+    ``prompts[(i + shift) % n]``, then runs the last token of prompt B = ``prompts[i]`` on
+    top of it, as if the cache held B. The next-token logits are compared with B's correct
+    ones (one uncached pass over B). ``shift=0`` is the control: A is B, the error ~0.
+    """
+    n = len(prompts)
+    trials = []
+    for i, prompt in enumerate(prompts):
+        donor = prompts[(i + shift) % n]
+        if len(donor) != len(prompt):
+            raise ValueError("the stale prompt must have the same length as the real one")
+        cache = model.new_cache(1, len(prompt))
+        model(_ids(donor[:-1]), cache=cache, last_only=True)
+        faulty = _next_token_logits(model, prompt, cache)
+        correct = _next_token_logits(model, prompt)
+        trials.append({"trial": i, "donor": (i + shift) % n, "prompt_tokens": len(prompt),
+                       **_compare(faulty, correct)})
+    return trials
+
+
+def perturbed_kv_weights(model, layer: int, scale: float, seed: int) -> torch.Tensor:
+    """A COPY of layer ``layer``'s fused QKV matrix whose key and value rows are multiplied
+    by ``1 + scale * noise``, one standard-normal draw per row (seeded); query rows are
+    unchanged."""
+    c = model.config
+    qkv = model.layers[layer].qkv
+    q_width = c.num_heads * c.head_dim
+    noise = torch.randn(qkv.shape[0] - q_width, 1, generator=torch.Generator().manual_seed(seed))
+    perturbed = qkv.clone()
+    perturbed[q_width:] *= (1 + scale * noise).to(qkv.dtype)
+    return perturbed
+
+
+def perturbed_cache_trials(model, prompts: Sequence[Sequence[int]], layer: int,
+                           scale: float = 0.02, seed: int = 0) -> list[dict]:
+    """A cache built with one layer's K/V weights perturbed, then used with the right ones.
+
+    For each prompt: swap in :func:`perturbed_kv_weights` (a copy; the model's own tensor is
+    never written), fill the cache with all but the last prompt token, put the original
+    weights back (in a ``finally`` block, so an error cannot leave the model modified), run
+    the last token with the correct weights, and compare the next-token logits with the
+    correct ones. Trial ``i`` draws its noise with seed ``seed + i``.
+    """
+    weights = model.layers[layer]
+    original = weights.qkv
+    trials = []
+    for i, prompt in enumerate(prompts):
+        perturbed = perturbed_kv_weights(model, layer, scale, seed + i)
+        cache = model.new_cache(1, len(prompt))
+        try:
+            weights.qkv = perturbed
+            model(_ids(prompt[:-1]), cache=cache, last_only=True)
+        finally:
+            weights.qkv = original
+        faulty = _next_token_logits(model, prompt, cache)
+        correct = _next_token_logits(model, prompt)
+        trials.append({"trial": i, "layer": layer, "scale": scale,
+                       "prompt_tokens": len(prompt), **_compare(faulty, correct)})
+    return trials
+
+
+def summarize_trials(trials: Sequence[dict]) -> dict:
+    """Median and worst ``max_abs_err`` and how many trials kept the right token."""
+    errors = [t["max_abs_err"] for t in trials]
+    return {"trials": len(trials), "median_err": statistics.median(errors),
+            "worst_err": max(errors), "right": sum(t["right"] for t in trials)}

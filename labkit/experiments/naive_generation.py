@@ -1,0 +1,138 @@
+"""The naive way to generate, kept to be measured against the real loop (chapters 5 and 10).
+
+Chapter 5 contrasts each of these with what :mod:`labkit.engine.loop` does:
+
+* :func:`generate_naive` chooses tokens greedily with no KV cache: every step runs the model
+  over the whole sequence so far (prompt plus everything generated), then keeps only the last
+  position's logits. Step ``k`` therefore costs a prefill of ``len(prompt) + k`` tokens.
+* :func:`check_in_one_pass` runs the model ONCE over prompt + output and reads off, at every
+  position, the token the model would have chosen next. Choosing is serial; checking is not.
+* :func:`pass_flops` and :func:`generation_flops` count the arithmetic of each, to set the
+  measured times beside what the multiply-adds alone predict.
+
+The naive ways to stop and to stream are in :mod:`labkit.experiments.naive_text`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+
+def generate_naive(model, prompt_ids: Sequence[int], max_tokens: int, *,
+                   stop_token_ids: Iterable[int] = ()) -> tuple[list[int], list[float]]:
+    """Greedy generation with no cache: each step re-runs the model over the whole prefix.
+
+    Returns ``(token_ids, per_step_seconds)``; step ``k``'s time covers its forward pass over
+    ``len(prompt_ids) + k`` tokens (logits of the last position only) and the argmax. Ties go
+    to the lowest id, as in :func:`labkit.sampling.sample`. Generation ends after
+    ``max_tokens`` tokens, or at a token in ``stop_token_ids`` (which is not returned; by
+    default there is none, so the loop always runs ``max_tokens`` steps).
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: at least one token is needed to condition on")
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    stops = {int(t) for t in stop_token_ids}
+    sequence = [int(t) for t in prompt_ids]
+    out: list[int] = []
+    seconds: list[float] = []
+    for _ in range(max_tokens):
+        t0 = time.perf_counter()
+        logits = model(torch.tensor([sequence]), last_only=True)[0, -1]
+        token = int(torch.argmax(logits))
+        seconds.append(time.perf_counter() - t0)
+        if token in stops:
+            break
+        out.append(token)
+        sequence.append(token)
+    return out, seconds
+
+
+def check_in_one_pass(model, prompt_ids: Sequence[int],
+                      token_ids: Sequence[int]) -> tuple[list[int], list[bool]]:
+    """Check a greedy output with ONE forward pass over ``prompt_ids + token_ids``.
+
+    The logits at position ``len(prompt_ids) - 1 + i`` are the model's scores for output
+    token ``i`` given everything before it, so their argmax is the token greedy decoding
+    would have chosen there. Returns ``(argmax_ids, matches)``, both of length
+    ``len(token_ids)``: ``matches[i]`` is whether ``argmax_ids[i] == token_ids[i]``.
+
+    A mismatch at ``i`` is the model disagreeing with token ``i`` given the tokens actually
+    present before it; after a changed token, later positions see a different prefix, so
+    they may disagree too.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: position 0 of the output has nothing to condition on")
+    prompt = [int(t) for t in prompt_ids]
+    tokens = [int(t) for t in token_ids]
+    if not tokens:
+        return [], []
+    logits = model(torch.tensor([prompt + tokens]))[0]
+    start = len(prompt) - 1
+    argmax_ids = logits[start:start + len(tokens)].argmax(-1).tolist()
+    return argmax_ids, [a == t for a, t in zip(argmax_ids, tokens)]
+
+
+def _matmul_shape(config) -> tuple[int, int, int, int, int]:
+    """(layers, weights multiplied per token per layer, hidden, vocab, query width) of a
+    LlamaConfig or a GPT2Config."""
+    if hasattr(config, "hidden_size"):  # Llama: fused q/k/v, o, gate/up, down
+        h, q = config.hidden_size, config.num_heads * config.head_dim
+        kv = config.num_kv_heads * config.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+        return config.num_layers, per_layer, h, config.vocab_size, q
+    if hasattr(config, "n_embd"):  # GPT-2: c_attn, c_proj, c_fc, mlp c_proj
+        h = config.n_embd
+        per_layer = h * 3 * h + h * h + 2 * h * config.n_inner
+        return config.n_layer, per_layer, h, config.vocab_size, h
+    raise TypeError(f"not a LlamaConfig or GPT2Config: {type(config).__name__}")
+
+
+def pass_flops(config, n_tokens: int, *, past_tokens: int = 0,
+               logits_positions: int | None = None) -> int:
+    """Matrix-multiply FLOPs (2 per multiply-add) of one forward pass.
+
+    The pass processes ``n_tokens`` new tokens after ``past_tokens`` already in a KV cache:
+    every layer's weights once per new token, causal attention (scores and weighted values)
+    from each new token to itself and every earlier one, and the LM head for
+    ``logits_positions`` positions (default: all ``n_tokens``; 1 for a pass that keeps only
+    the last position's logits). Norms, activations and softmax are left out: they are a
+    few percent at these sizes.
+    """
+    if n_tokens < 1 or past_tokens < 0:
+        raise ValueError("n_tokens must be >= 1 and past_tokens >= 0")
+    layers, per_layer, hidden, vocab, q_width = _matmul_shape(config)
+    logits_positions = n_tokens if logits_positions is None else logits_positions
+    keys = sum(past_tokens + j + 1 for j in range(n_tokens))  # keys each new token attends to
+    weights = 2 * n_tokens * per_layer * layers
+    attention = 2 * 2 * q_width * keys * layers
+    head = 2 * logits_positions * hidden * vocab
+    return weights + attention + head
+
+
+def generation_flops(config, prompt_len: int, new_tokens: int) -> dict[str, int]:
+    """FLOPs of generating ``new_tokens`` greedily after a ``prompt_len``-token prompt, three ways.
+
+    ``naive``: one pass per step over the whole sequence so far, last-position logits only
+    (:func:`generate_naive`); ``cached``: a prefill of the prompt, then one-token passes that
+    read the cache (:func:`labkit.engine.loop.generate`; the last token is never fed back);
+    ``check``: one pass over prompt + output with logits at every position
+    (:func:`check_in_one_pass`).
+    """
+    naive = sum(pass_flops(config, prompt_len + k, logits_positions=1) for k in range(new_tokens))
+    cached = pass_flops(config, prompt_len, logits_positions=1) + sum(
+        pass_flops(config, 1, past_tokens=prompt_len + k - 1) for k in range(1, new_tokens))
+    check = pass_flops(config, prompt_len + new_tokens)
+    return {"naive": naive, "cached": cached, "check": check}
+
+
+__all__ = [
+    "check_in_one_pass",
+    "generate_naive",
+    "generation_flops",
+    "pass_flops",
+]

@@ -1,0 +1,332 @@
+"""Each replaceable part of engine v0, checked against an independent reference.
+
+    part       reference                                   check
+    tokenizer  transformers.AutoTokenizer (same GGUF)      identical ids and decoded text
+    backend    transformers LlamaForCausalLM (same weights) max |logit diff|, argmax agreement,
+                                                           with and without the KV cache
+    sampler    transformers' logits warpers + softmax      same kept set, probabilities within
+                                                           1e-6, every seeded draw inside the set
+    loop       transformers generate(do_sample=False)      greedy tokens identical
+
+Every check returns a :class:`CheckResult` whose ``passed`` is a plain bool, so a notebook can
+print it as a checked output. A check that cannot fail proves nothing, so this module also
+makes deliberately broken parts (``broken_*``): each check must FAIL on its broken part.
+
+The module also holds the baseline throughput of engine v0 on a given number of threads; the
+random-stream counts of the seeded sampler are in :mod:`labkit.experiments.sampler_streams`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from labkit.engine.contracts import Backend, EngineModel, Loop, Sampler, TokenizerLike
+from labkit.sampling import SamplingParams, probabilities, sample
+
+__all__ = [
+    "CheckResult",
+    "check_tokenizer",
+    "check_backend",
+    "reference_distribution",
+    "check_sampler",
+    "check_loop",
+    "broken_tokenizer",
+    "broken_backend",
+    "broken_sampler",
+    "broken_loop",
+    "baseline_throughput",
+]
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one part's check against its reference."""
+
+    part: str
+    reference: str
+    check: str  # what is compared, in words
+    measured: str  # what was found, in words and numbers
+    passed: bool
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "FAIL"
+
+    def row(self) -> dict[str, Any]:
+        """One row of the part -> reference -> check -> verdict table."""
+        return {"part": self.part, "reference": self.reference, "check": self.check,
+                "measured": self.measured, "verdict": self.verdict}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def check_tokenizer(tokenizer: TokenizerLike, reference: Any, texts: Sequence[str]) -> CheckResult:
+    """Encode every text with both tokenizers (no special tokens added) and decode our ids with
+    both: pass when the ids and the decoded texts are identical for every text."""
+    bad_ids, bad_text = [], []
+    for text in texts:
+        ours = list(tokenizer.encode(text))
+        theirs = list(reference.encode(text, add_special_tokens=False))
+        if ours != theirs:
+            bad_ids.append(text)
+        if tokenizer.decode(ours) != reference.decode(ours):
+            bad_text.append(text)
+    same = len(texts) - len(set(bad_ids) | set(bad_text))
+    return CheckResult(
+        part="tokenizer", reference=f"transformers {type(reference).__name__}",
+        check="same ids (encode) and same text (decode)",
+        measured=f"{same}/{len(texts)} texts identical",
+        passed=not bad_ids and not bad_text and len(texts) > 0,
+        details={"texts": len(texts), "ids_differ": bad_ids, "text_differs": bad_text},
+    )
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def _reference_logits(reference_model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference_model(torch.tensor([ids])).logits[0].float()
+
+
+def _cached_logits(backend: Backend, ids: list[int], split: int) -> torch.Tensor:
+    """Logits of ``ids`` computed the way the loop does: prefill ``ids[:split]`` into a cache,
+    then one token per call."""
+    cache = backend.new_cache(batch=1, max_len=len(ids))
+    parts = [backend(torch.tensor([ids[:split]]), cache=cache)[0]]
+    parts += [backend(torch.tensor([[t]]), cache=cache)[0] for t in ids[split:]]
+    return torch.cat(parts).float()
+
+
+def check_backend(backend: Backend, reference_model: Any, prompts: Sequence[list[int]], *,
+                  atol: float = 1e-3) -> CheckResult:
+    """Logits of every prompt (token ids) at every position, from one pass without a cache and
+    from a prefill of the first half followed by one-token steps with the cache, against the
+    reference's single pass. Pass when max |diff| <= ``atol`` and the argmax agrees everywhere."""
+    diffs, agree, positions, peak = {"one pass": 0.0, "cached": 0.0}, 0, 0, 0.0
+    for ids in prompts:
+        ref = _reference_logits(reference_model, list(ids))
+        peak = max(peak, float(ref.abs().max()))
+        with torch.no_grad():
+            full = backend(torch.tensor([list(ids)]))[0].float()
+        cached = _cached_logits(backend, list(ids), max(1, len(ids) // 2))
+        for path, ours in (("one pass", full), ("cached", cached)):
+            diffs[path] = max(diffs[path], float((ours - ref).abs().max()))
+            agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+            positions += ref.shape[0]
+    max_diff = max(diffs.values())
+    passed = max_diff <= atol and agree == positions and positions > 0
+    return CheckResult(
+        part="backend", reference="transformers LlamaForCausalLM, same weights",
+        check=f"max |logit diff| <= {atol:g} and same argmax, with and without the cache",
+        measured=f"max |diff| {max_diff:.1e} (|logits| up to {peak:.0f}); argmax {agree}/{positions}",
+        passed=passed,
+        details={"max_abs_diff": max_diff, "max_abs_diff_one_pass": diffs["one pass"],
+                 "max_abs_diff_cached": diffs["cached"], "argmax_agree": agree, "positions": positions,
+                 "max_abs_logit": peak, "atol": atol},
+    )
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+def reference_distribution(logits: torch.Tensor, params: SamplingParams,
+                           seen_token_ids: Sequence[int] | None = None) -> torch.Tensor:
+    """The next-token distribution transformers' ``generate`` would sample from: its logits
+    processors and warpers in its own order, then a softmax. Greedy params give the one-hot."""
+    from transformers.generation import logits_process as lp
+
+    scores = logits.detach().float().reshape(1, -1).clone()
+    seen = torch.tensor([list(seen_token_ids or [0])], dtype=torch.long)
+    steps: list[Any] = []
+    if params.repetition_penalty != 1.0 and seen_token_ids:
+        steps.append(lp.RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.greedy:
+        for step in steps:
+            scores = step(seen, scores)
+        return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()[0]
+    if params.temperature != 1.0:
+        steps.append(lp.TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        steps.append(lp.TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        steps.append(lp.TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        steps.append(lp.MinPLogitsWarper(params.min_p))
+    for step in steps:
+        scores = step(seen, scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+def check_sampler(sampler: Sampler, logits: torch.Tensor, settings: Sequence[SamplingParams], *,
+                  distribution: Callable[[torch.Tensor, SamplingParams], torch.Tensor] = probabilities,
+                  draws: int = 64, atol: float = 1e-6) -> CheckResult:
+    """For each setting: the sampler's distribution (``distribution(logits, params)``) against
+    :func:`reference_distribution` (same set of tokens with nonzero probability, and every
+    probability within ``atol``), and ``draws`` seeded draws of ``sampler`` must all fall in
+    the reference's kept set."""
+    max_diff, set_mismatch, outside, kept_sizes = 0.0, 0, 0, []
+    for params in settings:
+        ref = reference_distribution(logits, params)
+        ours = distribution(logits, params).float().reshape(-1)
+        kept = ref > 0
+        kept_sizes.append(int(kept.sum()))
+        set_mismatch += int(not torch.equal(ours > 0, kept))
+        max_diff = max(max_diff, float((ours - ref).abs().max()))
+        for seed in range(draws):
+            token = sampler(logits, params, seed=seed, step=0, seen_token_ids=None)
+            outside += int(not kept[int(token)])
+    n = len(settings)
+    passed = set_mismatch == 0 and max_diff <= atol and outside == 0 and n > 0
+    return CheckResult(
+        part="sampler", reference="transformers Temperature/TopK/TopP warpers + softmax",
+        check=f"same kept set, |p diff| <= {atol:g}, every draw in the kept set",
+        measured=(f"kept sets equal {n - set_mismatch}/{n}; max |p diff| {max_diff:.1e}; "
+                  f"draws outside {outside}/{n * draws}"),
+        passed=passed,
+        details={"settings": n, "kept_set_mismatches": set_mismatch, "max_abs_prob_diff": max_diff,
+                 "draws": n * draws, "draws_outside": outside, "kept_sizes": kept_sizes},
+    )
+
+
+# --------------------------------------------------------------------------- loop
+
+
+def _reference_greedy(reference_model: Any, prompt_ids: list[int], max_tokens: int, eos: int | None) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = reference_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                       do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    new = out[0, len(prompt_ids):].tolist()
+    return new[: new.index(eos)] if eos in new else new  # our loop reports EOS as a finish reason
+
+
+def check_loop(loop: Loop, model: EngineModel, reference_model: Any, prompts: Sequence[str], *,
+               max_tokens: int = 16) -> CheckResult:
+    """Greedy continuation of each prompt by ``loop(model, prompt, params)`` against the
+    reference's ``generate(do_sample=False)`` on the same prompt ids (encoded by the model's
+    tokenizer): pass when every token of every prompt is identical."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    eos = model.tokenizer.eos_token_id
+    same, first_divergence = 0, []
+    for prompt in prompts:
+        ours = list(loop(model, prompt, params).token_ids)
+        theirs = _reference_greedy(reference_model, list(model.tokenizer.encode(prompt)), max_tokens, eos)
+        if ours == theirs:
+            same += 1
+        else:
+            first_divergence.append(next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                                         min(len(ours), len(theirs))))
+    return CheckResult(
+        part="loop", reference="transformers generate(do_sample=False)",
+        check=f"greedy tokens identical, {max_tokens} new tokens per prompt",
+        measured=f"{same}/{len(prompts)} prompts identical token for token",
+        passed=same == len(prompts) and len(prompts) > 0,
+        details={"prompts": len(prompts), "identical": same, "first_divergence": first_divergence},
+    )
+
+
+# --------------------------------------------------------------------------- broken parts
+
+
+class _DropsToken:
+    def __init__(self, tokenizer: TokenizerLike, token_id: int):
+        self._tok, self._drop = tokenizer, token_id
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return [t for t in self._tok.encode(text) if t != self._drop]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def broken_tokenizer(tokenizer: TokenizerLike, token_id: int) -> TokenizerLike:
+    """A tokenizer that silently drops every occurrence of ``token_id`` when encoding."""
+    return _DropsToken(tokenizer, token_id)
+
+
+class _Perturbed:
+    def __init__(self, backend: Backend, scale: float, seed: int):
+        self._backend, self._scale, self._seed = backend, scale, seed
+        self.tokenizer = getattr(backend, "tokenizer", None)
+
+    def new_cache(self, *, batch: int = 1, max_len: int = 2048) -> Any:
+        return self._backend.new_cache(batch=batch, max_len=max_len)
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any = None, last_only: bool = False) -> torch.Tensor:
+        logits = self._backend(input_ids, cache=cache, last_only=last_only)
+        gen = torch.Generator().manual_seed(self._seed + int(input_ids.sum()))
+        return logits + self._scale * torch.randn(logits.shape, generator=gen).to(logits)
+
+
+def broken_backend(backend: Backend, scale: float = 1e-2, seed: int = 0) -> Backend:
+    """A backend whose logits carry Gaussian noise of standard deviation ``scale``."""
+    return _Perturbed(backend, scale, seed)
+
+
+def _ignore_top_k(params: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, top_k=0)
+
+
+def broken_sampler() -> tuple[Sampler, Callable[[torch.Tensor, SamplingParams], torch.Tensor]]:
+    """A sampler (and its distribution) that ignores ``top_k``: the (sampler, distribution)
+    pair to pass to :func:`check_sampler`."""
+
+    def sampler(logits, params, *, seed, step, seen_token_ids=None):
+        return sample(logits, _ignore_top_k(params), seed=seed, step=step, seen_token_ids=seen_token_ids)
+
+    def distribution(logits, params):
+        return probabilities(logits, _ignore_top_k(params))
+
+    return sampler, distribution
+
+
+def broken_loop(loop: Loop) -> Loop:
+    """A loop that drops the last token of the prompt before generating (an off-by-one)."""
+
+    def dropping(model, prompt, params=None, *, chat=False, on_text=None):
+        ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return loop(model, ids[:-1], params, chat=chat, on_text=on_text)
+
+    return dropping
+
+
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def baseline_throughput(model: EngineModel, prompt: str, *, threads: int, new_tokens: int = 32,
+                        repeats: int = 5, warmup: int = 1, loop: Loop | None = None) -> dict[str, Any]:
+    """Greedy decode of exactly ``new_tokens`` tokens (EOS ignored), timed with
+    :func:`labkit.util.timing.measure` on ``threads`` threads. The request time is the
+    measured median; prefill and per-token decode times are medians over the same timed runs'
+    :class:`~labkit.engine.loop.StageTimings`."""
+    from labkit.util.timing import measure
+    from labkit.engine.loop import generate
+
+    loop = loop or generate
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    runs = []
+    timing = measure(lambda: runs.append(loop(model, prompt, params)), name=f"{threads} thread(s)",
+                     repeats=repeats, warmup=warmup, threads=threads)
+    timed = runs[warmup:]
+    prefill = statistics.median(r.timings.prefill for r in timed)
+    step = statistics.median(r.timings.decode / len(r.timings.decode_steps) for r in timed)
+    return {
+        "threads": timing.threads, "new_tokens": len(timed[-1].token_ids),
+        "prompt_tokens": len(timed[-1].prompt_token_ids), "repeats": len(timing.samples),
+        "request_s": timing.median, "request_spread": timing.spread,
+        "tokens_per_s": new_tokens / timing.median, "prefill_ms": 1e3 * prefill,
+        "decode_ms_per_token": 1e3 * step, "decode_tokens_per_s": 1.0 / step,
+    }

@@ -1,0 +1,244 @@
+/* labkit's C kernels: the matrix-vector product for decode (labkit_gemv) and paged attention
+   (labkit_paged_attention). labkit/kernels/native.py describes them, compiles this file on
+   first use into $LABKIT_CACHE/kernels/ and calls it through ctypes. */
+
+#include <math.h>
+
+/* Y[m, o] = sum_i W[o, i] * X[m, i]   W: out x n, X: rows x n, Y: rows x out, all row-major */
+void labkit_gemv(const float* W, const float* X, float* Y, long rows, long out, long n) {
+  #pragma omp parallel for schedule(static)
+  for (long o = 0; o < out; o++) {
+    const float* w = W + o * n;
+    for (long m = 0; m < rows; m++) {
+      const float* x = X + m * n;
+      float s = 0.0f;
+      #pragma omp simd reduction(+:s)
+      for (long i = 0; i < n; i++) s += w[i] * x[i];
+      Y[m * out + o] = s;
+    }
+  }
+}
+
+/* ---- paged attention ----------------------------------------------------------------- */
+
+/* Vector types (a GCC and Clang extension): the compiler maps them onto whatever vector
+   registers the machine has. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int v16i __attribute__((vector_size(64)));
+typedef int v8i __attribute__((vector_size(32)));
+typedef int v4i __attribute__((vector_size(16)));
+
+static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline v16 select16(v16i mask, v16 yes, v16 no) {
+  return (v16)((mask & (v16i)yes) | (~mask & (v16i)no));
+}
+static inline v8 select8(v8i mask, v8 yes, v8 no) { return (v8)((mask & (v8i)yes) | (~mask & (v8i)no)); }
+static inline v4 select4(v4i mask, v4 yes, v4 no) { return (v4)((mask & (v4i)yes) | (~mask & (v4i)no)); }
+
+/* exp(x) for x <= 0 (softmax weights) on 16 lanes, to float precision (Cephes' expf
+   polynomial): written out so the compiler vectorizes it, which it will not do for libm's. */
+static inline v16 exp16(v16 x) {
+  const v16 zero = {0};
+  x = select16(x < -87.0f, zero - 87.0f, x);
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+  x -= n * 0.693359375f;
+  x -= n * -2.12194440e-4f;
+  const v16 z = x * x;
+  v16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
+            + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  return y * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+}
+
+static inline float exp_nonpositive(float x) {  /* the same for one value */
+  const v16 lanes = {x};
+  return exp16(lanes)[0];
+}
+
+/* The maximum (max = 1) or the sum (max = 0) of 16 lanes, folding halves in registers. */
+static inline float reduce16(v16 x, int max) {
+  v8 a, b;
+  __builtin_memcpy(&a, &x, 32), __builtin_memcpy(&b, (char*)&x + 32, 32);
+  a = max ? select8(a > b, a, b) : a + b;
+  v4 c, d;
+  __builtin_memcpy(&c, &a, 16), __builtin_memcpy(&d, (char*)&a + 16, 16);
+  c = max ? select4(c > d, c, d) : c + d;
+  const float x01 = max ? (c[0] > c[1] ? c[0] : c[1]) : c[0] + c[1];
+  const float x23 = max ? (c[2] > c[3] ? c[2] : c[3]) : c[2] + c[3];
+  return max ? (x01 > x23 ? x01 : x23) : x01 + x23;
+}
+
+/* The generic shape: one query's scores against a block, s[t] = q . k[:, t] (q pre-scaled). */
+static void block_scores(const float* k, const float* q, float* s, long bs, long dim) {
+  for (long t = 0; t < bs; t++) s[t] = 0.0f;
+  for (long d = 0; d < dim; d++) {
+    const float x = q[d];
+    #pragma omp simd
+    for (long t = 0; t < bs; t++) s[t] += x * k[d * bs + t];
+  }
+}
+
+/* The generic shape: one query's online-softmax step over a block whose first `visible`
+   slots are in its past; s becomes the weights, acc is rescaled to the new maximum. */
+static void block_softmax(float* s, long visible, long bs, long dim, float* best, float* total,
+                          float* acc) {
+  float top = *best;
+  for (long t = 0; t < visible; t++) top = s[t] > top ? s[t] : top;
+  float sum = 0.0f;
+  for (long t = 0; t < bs; t++) {
+    s[t] = t < visible ? exp_nonpositive(s[t] - top) : 0.0f;
+    sum += s[t];
+  }
+  const float rescale = *best == -INFINITY ? 0.0f : exp_nonpositive(*best - top);
+  *total = *total * rescale + sum;
+  *best = top;
+  for (long d = 0; d < dim; d++) acc[d] *= rescale;
+}
+
+/* The model's shape (block_size 16, head_dim 64): a block's key row (16 slots) is one
+   vector, a value row four. Queries go four at a time, so each key and value row is loaded
+   once per four queries and the partial sums stay in registers. */
+static void scores_16x64(const float* k, const float (*qs)[64], float (*s)[16], long first, long padded) {
+  for (long qi = first; qi < padded; qi += 4) {
+    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (long d = 0; d < 64; d++) {
+      const v16 kd = load16(k + d * 16);
+      s0 += qs[qi][d] * kd;
+      s1 += qs[qi + 1][d] * kd;
+      s2 += qs[qi + 2][d] * kd;
+      s3 += qs[qi + 3][d] * kd;
+    }
+    store16(s[qi], s0), store16(s[qi + 1], s1), store16(s[qi + 2], s2), store16(s[qi + 3], s3);
+  }
+}
+
+static inline void softmax_16(float* s, long visible, float* best, float* total, float* acc) {
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16i mask = lane < (int)visible;
+  const v16 zero = {0};
+  const v16 scores = select16(mask, load16(s), zero - INFINITY);
+  const float found = reduce16(scores, 1), top = found > *best ? found : *best;
+  const v16 p = select16(mask, exp16(scores - top), zero);
+  store16(s, p);
+  const float rescale = *best == -INFINITY ? 0.0f : exp_nonpositive(*best - top);
+  *total = *total * rescale + reduce16(p, 0);
+  *best = top;
+  if (rescale != 1.0f)
+    for (int d = 0; d < 64; d++) acc[d] *= rescale;
+}
+
+static void values_16x64(const float* v, const float (*s)[16], float (*acc)[64], long first, long padded) {
+  for (long qi = first; qi < padded; qi += 4)
+    for (long h = 0; h < 64; h += 32) {  /* half a row at a time: 8 accumulators */
+      v16 a0 = load16(acc[qi] + h), b0 = load16(acc[qi] + h + 16);
+      v16 a1 = load16(acc[qi + 1] + h), b1 = load16(acc[qi + 1] + h + 16);
+      v16 a2 = load16(acc[qi + 2] + h), b2 = load16(acc[qi + 2] + h + 16);
+      v16 a3 = load16(acc[qi + 3] + h), b3 = load16(acc[qi + 3] + h + 16);
+      for (long t = 0; t < 16; t++) {
+        const v16 va = load16(v + t * 64 + h), vb = load16(v + t * 64 + h + 16);
+        a0 += s[qi][t] * va, b0 += s[qi][t] * vb;
+        a1 += s[qi + 1][t] * va, b1 += s[qi + 1][t] * vb;
+        a2 += s[qi + 2][t] * va, b2 += s[qi + 2][t] * vb;
+        a3 += s[qi + 3][t] * va, b3 += s[qi + 3][t] * vb;
+      }
+      store16(acc[qi] + h, a0), store16(acc[qi] + h + 16, b0);
+      store16(acc[qi + 1] + h, a1), store16(acc[qi + 1] + h + 16, b1);
+      store16(acc[qi + 2] + h, a2), store16(acc[qi + 2] + h + 16, b2);
+      store16(acc[qi + 3] + h, a3), store16(acc[qi + 3] + h + 16, b3);
+    }
+}
+
+/* One task: query rows 0 .. n-1 of a tile (one sequence, positions p0 .. p0+n-1) for the
+   `group` query heads of KV head h, over the sequence's positions 0 .. p0+n-1, with the
+   online softmax of chapter 13. Row i sees positions 0 .. p0+i (causal). Query vector
+   qi = i * group + g is row i, head h * group + g; their count is padded to a multiple of
+   4 with zero queries for the vector path. */
+static inline void attend_tile(const float* keys, const float* values, const long* table,
+                               const float* q, float* out, long n, long p0, long h, long heads,
+                               long group, long bs, long dim, long head_stride, long block_stride,
+                               float scale) {
+  const int fast = bs == 16 && dim == 64;
+  const long nq = n * group, padded = (nq + 3) / 4 * 4;
+  float qs[padded][dim], acc[padded][dim], s[padded][bs], best[padded], total[padded];
+  for (long qi = 0; qi < padded; qi++) {
+    const float* src = q + ((qi / group) * heads + h * group + qi % group) * dim;
+    for (long d = 0; d < dim; d++) qs[qi][d] = qi < nq ? src[d] * scale : 0.0f, acc[qi][d] = 0.0f;
+    best[qi] = -INFINITY, total[qi] = 0.0f;
+  }
+  const long last = p0 + n - 1;
+  for (long j = 0; j * bs <= last; j++) {
+    const long base = j * bs, offset = table[j] * block_stride + h * head_stride;
+    const float* k = keys + offset;   /* [dim][bs] */
+    const float* v = values + offset; /* [bs][dim] */
+    if ((j + 1) * bs <= last) {  /* ask for the next block now: tables scatter blocks, so the
+                                    hardware prefetcher cannot guess where it is */
+      const long next = table[j + 1] * block_stride + h * head_stride;
+      for (long line = 0; line < head_stride; line += 16)
+        __builtin_prefetch(keys + next + line, 0, 3), __builtin_prefetch(values + next + line, 0, 3);
+    }
+    /* rows before base - p0 see none of this block; start at a multiple of 4 */
+    const long first = (base > p0 ? base - p0 : 0) * group / 4 * 4;
+    if (fast)
+      scores_16x64(k, (const float (*)[64])qs, (float (*)[16])s, first, padded);
+    else
+      for (long qi = first; qi < nq; qi++) block_scores(k, qs[qi], s[qi], bs, dim);
+    for (long qi = first; qi < padded; qi++) {
+      long visible = p0 + qi / group - base + 1;
+      visible = visible < bs ? visible : bs;
+      if (qi >= nq || visible <= 0) {  /* padding, or a row before this block: no weight */
+        for (long t = 0; t < bs; t++) s[qi][t] = 0.0f;
+      } else if (fast) {
+        softmax_16(s[qi], visible, best + qi, total + qi, acc[qi]);
+      } else {
+        block_softmax(s[qi], visible, bs, dim, best + qi, total + qi, acc[qi]);
+      }
+    }
+    if (fast)
+      values_16x64(v, (const float (*)[16])s, (float (*)[64])acc, first, padded);
+    else
+      for (long qi = first; qi < nq; qi++)
+        for (long t = 0; t < bs; t++) {
+          const float w = s[qi][t];
+          #pragma omp simd
+          for (long d = 0; d < dim; d++) acc[qi][d] += w * v[t * dim + d];
+        }
+  }
+  for (long qi = 0; qi < nq; qi++) {
+    float* dst = out + ((qi / group) * heads + h * group + qi % group) * dim;
+    const float inv = 1.0f / total[qi];
+    for (long d = 0; d < dim; d++) dst[d] = acc[qi][d] * inv;
+  }
+}
+
+/* Causal attention of packed query rows over paged context.
+   keys (one layer): [blocks, kv_heads, dim, block_size] (transposed in the block);
+   values: [blocks, kv_heads, block_size, dim];
+   q, out: [rows, kv_heads * group, dim] (query head r reads kv head r / group);
+   tiles: [num_tiles, 4] of (table row b, first query row r0, row count n, position p0 of
+   row r0): rows r0 .. r0+n-1 are positions p0 .. p0+n-1 of the sequence whose blocks
+   tables[b] lists; tables: [batch, width]. Each (tile, KV head) is one task. */
+void labkit_paged_attention(const float* keys, const float* values, const long* tables,
+                            const long* tiles, const float* q, float* out, long num_tiles,
+                            long width, long block_size, long kv_heads, long group, long dim,
+                            float scale) {
+  const long head_stride = dim * block_size, block_stride = kv_heads * head_stride;
+  const long heads = kv_heads * group;
+  #pragma omp parallel for collapse(2) schedule(dynamic)
+  for (long i = 0; i < num_tiles; i++) {
+    for (long h = 0; h < kv_heads; h++) {
+      const long* tile = tiles + 4 * i;
+      const long* table = tables + tile[0] * width;
+      const float* qt = q + tile[1] * heads * dim;
+      float* ot = out + tile[1] * heads * dim;
+      if (block_size == 16 && dim == 64)  /* constants, so the compiler unrolls */
+        attend_tile(keys, values, table, qt, ot, tile[2], tile[3], h, heads, group, 16, 64,
+                    head_stride, block_stride, scale);
+      else
+        attend_tile(keys, values, table, qt, ot, tile[2], tile[3], h, heads, group, block_size,
+                    dim, head_stride, block_stride, scale);
+    }
+  }
+}

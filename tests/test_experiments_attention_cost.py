@@ -1,0 +1,158 @@
+"""labkit.experiments.attention_cost: formulas, sweep records, and measured memory that can fail."""
+
+import pytest
+import torch
+
+from labkit.experiments.attention_cost import (MHA12, SMOLLM2, AttentionShape, agreement,
+                                               attention_inputs, default_schedule, formula_bytes,
+                                               measure_attention, naive_peak_model, sdpa_enable_gqa,
+                                               sweep, ulp)
+from labkit.kernels.attention import naive_attention, sdpa_attention
+
+MiB, GiB = 2**20, 2**30
+
+
+def test_formula_bytes_closed_form():
+    sizes = formula_bytes(MHA12, 1024, 1024, torch.float32)
+    assert sizes["score"] == 12 * 1024 * 1024 * 4 == 48 * MiB
+    assert sizes["score_softmax"] == 2 * sizes["score"]
+    assert sizes["output"] == 12 * 1024 * 64 * 4
+    assert sizes["kv"] == 2 * 12 * 1024 * 64 * 4
+    gqa = formula_bytes(SMOLLM2, 1, 4096, torch.bfloat16)
+    assert gqa["score"] == 9 * 4096 * 2 and gqa["kv"] == 2 * 3 * 4096 * 64 * 2
+
+
+def test_source_figure_6_gib():
+    """The source's figure: 16,384 tokens, 12 heads, fp16 -> 6.0 GiB per score tensor."""
+    assert formula_bytes(MHA12, 16384, 16384, torch.float16)["score"] == 6 * GiB
+
+
+def test_naive_peak_model():
+    shape = AttentionShape("t", batch=2, heads=4, kv_heads=2, head_dim=8)
+    n, mask = 2 * 4 * 10 * 10, 2 * 10 * 10  # scores; a [group * q_len, kv_len] bool mask
+    assert naive_peak_model(shape, 10, 10, torch.float32) == 8 * n + 2 * mask
+    assert naive_peak_model(shape, 10, 10, torch.bfloat16) == 10 * n + mask
+    assert naive_peak_model(shape, 1, 10, torch.float32) == 8 * 2 * 4 * 10 + 2 * 2 * 10
+
+
+def test_inputs_are_seeded_and_shaped():
+    q, k, v = attention_inputs(2, 9, 3, 5, 7, 16, torch.bfloat16, seed=3)
+    assert q.shape == (2, 9, 5, 16) and k.shape == v.shape == (2, 3, 7, 16)
+    assert q.dtype == torch.bfloat16
+    again = attention_inputs(2, 9, 3, 5, 7, 16, torch.float32, seed=3)
+    assert torch.equal(q, again[0].to(torch.bfloat16))
+
+
+def test_schedule_repeats_less_when_long():
+    assert default_schedule(256) == (1, 5) and default_schedule(8192) == (0, 1)
+
+
+def test_sweep_records_keys_and_formulas():
+    records = sweep([32, 64], ["naive", "sdpa"], SMOLLM2, mode="prefill", repeats=2, warmup=0)
+    assert [(r["impl"], r["kv_len"]) for r in records] == [
+        ("naive", 32), ("sdpa", 32), ("naive", 64), ("sdpa", 64)]
+    for r in records:
+        for key in ("median_s", "spread", "peak_rss_bytes", "peak_bytes", "formula_bytes",
+                    "formula_softmax_bytes", "kv_gb_per_s", "repeats", "threads"):
+            assert key in r
+        assert r["q_len"] == r["kv_len"] and r["mode"] == "prefill" and r["repeats"] == 2
+        assert r["formula_bytes"] == 9 * r["kv_len"] ** 2 * 4
+        assert r["median_s"] > 0 and r["peak_bytes"] >= 0 and r["skipped"] is None
+
+
+def test_decode_sweep_is_one_query():
+    (rec,) = sweep([128], ["sdpa"], MHA12, mode="decode", repeats=2, warmup=0)
+    assert rec["q_len"] == 1 and rec["kv_len"] == 128 and rec["mode"] == "decode"
+    assert rec["formula_bytes"] == 12 * 128 * 4
+    assert rec["kv_gb_per_s"] == pytest.approx(rec["kv_bytes"] / rec["median_s"] / 1e9)
+
+
+def test_bad_names_are_refused():
+    with pytest.raises(ValueError):
+        measure_attention("flash", SMOLLM2, 8)
+    with pytest.raises(ValueError):
+        sweep([8], ["naive"], SMOLLM2, mode="chunked")
+
+
+def test_oversized_run_is_skipped_not_attempted():
+    huge = AttentionShape("huge", batch=64, heads=64, kv_heads=64, head_dim=64)
+    rec = measure_attention("naive", huge, 65536)  # ~8 TiB of scores: never allocated
+    assert rec["skipped"] and rec["median_s"] is None and rec["peak_bytes"] is None
+
+
+def test_naive_peak_memory_covers_the_score_tensor_and_sdpa_does_not():
+    """1 x 12 heads x 1024^2 fp32 = 48 MiB per score tensor: naive attention must hold at
+    least one (it holds two), fused SDPA far less (its output is 3 MiB)."""
+    naive = measure_attention("naive", MHA12, 1024, repeats=2, warmup=1)
+    fused = measure_attention("sdpa", MHA12, 1024, repeats=2, warmup=1)
+    assert naive["formula_bytes"] == 48 * MiB
+    assert naive["peak_rss_bytes"] >= naive["formula_bytes"]
+    assert naive["peak_rss_bytes"] <= 1.1 * naive["naive_model_bytes"]  # two tensors + masks
+    assert fused["peak_rss_bytes"] < naive["formula_bytes"] / 4
+
+
+def test_enable_gqa_path_matches_labkit_sdpa():
+    for q_len, kv_len in [(16, 16), (1, 16), (5, 16)]:
+        q, k, v = attention_inputs(1, 9, 3, q_len, kv_len, 16)
+        assert torch.allclose(sdpa_enable_gqa(q, k, v), sdpa_attention(q, k, v), atol=1e-6)
+        q, k, v = attention_inputs(1, 4, 4, q_len, kv_len, 16)
+        assert torch.allclose(sdpa_enable_gqa(q, k, v), naive_attention(q, k, v), atol=1e-6)
+
+
+def test_ulp():
+    assert ulp(1.0, torch.float32) == torch.finfo(torch.float32).eps
+    assert ulp(3.0, torch.bfloat16) == 2 * 2**-7
+
+
+def test_agreement_passes_and_can_fail():
+    rows = agreement(SMOLLM2, [16, 64], [torch.float32, torch.bfloat16])
+    assert len(rows) == 4 and all(r["passed"] for r in rows)
+    assert all(r["max_abs_diff"] <= r["tolerance"] for r in rows)
+    # an implementation that forgets the causal mask must fail the same check
+    from labkit.experiments import attention_cost
+
+    attention_cost.IMPLEMENTATIONS["unmasked"] = lambda q, k, v, causal=True: naive_attention(
+        q, k, v, causal=False)
+    try:
+        bad = agreement(SMOLLM2, [16], [torch.float32], impls=("naive", "unmasked"))
+    finally:
+        del attention_cost.IMPLEMENTATIONS["unmasked"]
+    assert not bad[0]["passed"]
+
+
+def test_frames_speedups_and_plots_draw():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.experiments.attention_cost import (last_level_cache_bytes, plot_decode_bandwidth,
+                                                   plot_memory, plot_ratios, plot_times,
+                                                   records_frame, speedups)
+    from labkit.book.style import new_figure
+
+    df = records_frame(sweep([32, 64], ["naive", "sdpa"], MHA12, repeats=1, warmup=0))
+    assert list(df["length"]) == [32, 32, 64, 64]
+    assert df["peak_over_formula"].tolist() == pytest.approx(
+        (df["peak_bytes"] / df["formula_bytes"]).tolist())
+    ratios = speedups(df)
+    assert len(ratios) == 2 and set(ratios["impl"]) == {"sdpa"}
+    naive = df[df["impl"] == "naive"]["median_s"].tolist()
+    fused = df[df["impl"] == "sdpa"]["median_s"].tolist()
+    assert ratios["ratio"].tolist() == pytest.approx([a / b for a, b in zip(naive, fused)])
+    dec = records_frame(sweep([64], ["sdpa"], SMOLLM2, mode="decode", repeats=1, warmup=0))
+    fig, axes = new_figure(2, 2)
+    plot_memory(axes[0, 0], df)
+    plot_times(axes[0, 1], df)
+    plot_ratios(axes[1, 0], ratios)
+    plot_decode_bandwidth(axes[1, 1], dec, last_level_cache_bytes())
+    assert axes[0, 1].get_xscale() == "log" and len(axes[0, 1].lines) == 2
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_formula_table():
+    from labkit.experiments.attention_cost import formula_table
+
+    table = formula_table([MHA12, SMOLLM2], [16384], [torch.float16, torch.float32])
+    assert table.columns.tolist() == ["shape", "length", "float16", "float32"]
+    assert table["float16"].tolist() == [6.0, 4.5] and table["float32"].tolist() == [12.0, 9.0]

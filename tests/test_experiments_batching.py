@@ -1,0 +1,104 @@
+"""Chapter 15's analysis helpers on hand-made records with known answers, and the load
+sweep plumbing on a tiny random model."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from labkit.experiments import batching as b
+from labkit.bench.serving import RequestRecord, RunResult
+from labkit.bench.workloads import Workload, text_prompts
+from labkit.engine.llm_engine import EngineConfig
+from labkit.engine.scheduler import SchedulerConfig
+
+
+def rec(i, arrival, first, finish, out=11, prompt=10):
+    return RequestRecord(i, prompt, out, arrival, first, finish)
+
+
+def test_latencies():
+    r = rec(0, 1.0, 1.5, 3.5, out=11)
+    assert b.ttft_s(r) == pytest.approx(0.5)
+    assert b.tpot_s(r) == pytest.approx(0.2)        # 2.0 s over 10 tokens after the first
+    assert b.e2e_s(r) == pytest.approx(2.5)
+    assert b.tpot_s(rec(1, 0, 1, 1, out=1)) == 0.0
+    assert math.isinf(b.ttft_s(rec(2, 0, None, 1, out=0)))
+    assert b.quantile([3, 1, 2], 0.5) == 2 and b.quantile([0, 10], 0.99) == pytest.approx(9.9)
+    assert math.isnan(b.quantile([], 0.5))
+
+
+def test_goodput_counts_requests_meeting_both_objectives():
+    slo = b.SLO(ttft_s=1.0, tpot_s=0.25)
+    records = [rec(0, 0, 0.5, 2.5),    # ttft 0.5, tpot 0.2: met
+               rec(1, 0, 1.5, 3.5),    # ttft 1.5: missed
+               rec(2, 0, 0.2, 4.2),    # tpot 0.4: missed
+               rec(3, 0, 1.0, 3.5)]    # ttft 1.0, tpot 0.25: met (bounds inclusive)
+    g = b.goodput(records, wall_s=4.0, slo=slo)
+    assert (g.met, g.requests) == (2, 4) and g.fraction == 0.5 and g.rps == pytest.approx(0.5)
+    assert "TTFT <= 1 s" in slo.describe() and "250 ms" in slo.describe()
+    with pytest.raises(ValueError):
+        b.goodput(records, 0.0, slo)
+
+
+def test_padding_waste_known_answer():
+    # batch 1: 3 sequences with outputs 2, 4, 4 steps -> running after steps 3, 2, 2, 0
+    # batch 2: 2 sequences with outputs 3, 3 -> 2, 2, 0
+    running = [3, 2, 2, 0, 2, 2, 0]
+    w = b.padding_waste(running)
+    assert w.batches == [3, 2] and w.steps == [4, 3]
+    assert w.wasted == (0 + 1 + 1) + 0 == 2
+    assert w.wasted == b.padding_waste_from_lengths([[2, 4, 4], [3, 3]])
+    assert w.held == 3 * 4 + 2 * 3 and w.fraction == pytest.approx(2 / 18)
+    assert b.padding_waste([]).fraction == 0.0
+
+
+def test_group_summary_and_jain():
+    records = [rec(0, 0, 0.1, 1.0), rec(1, 0, 0.3, 1.0), rec(2, 0, 2.0, 3.0)]
+    g = b.group_summary(records, lambda r: "long" if r.request == 2 else "short")
+    assert g["short"]["requests"] == 2 and g["short"]["ttft_median_s"] == pytest.approx(0.2)
+    assert g["long"]["ttft_max_s"] == pytest.approx(2.0) and g["long"]["e2e_max_s"] == pytest.approx(3.0)
+    assert b.jain_index([1, 1, 1]) == pytest.approx(1.0)
+    assert b.jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+
+
+def test_workload_helpers():
+    outs = b.varied_outputs(50, 4, 8, seed=1)
+    assert outs == b.varied_outputs(50, 4, 8, seed=1) and min(outs) >= 4 and max(outs) <= 8
+    prompts, is_long = b.mixed_prompts([[1]] * 6, [[2, 2]] * 2, every=3)
+    assert len(prompts) == 8 and sum(is_long) == 2 and is_long[1] and is_long[4]
+    assert all((len(p) == 2) == l for p, l in zip(prompts, is_long))
+    w = b.with_arrivals(Workload([[1], [2]], [3, 3]), rate=2.0, seed=0)
+    slow = b.with_arrivals(Workload([[1], [2]], [3, 3]), rate=1.0, seed=0)
+    assert w.arrivals == pytest.approx([t / 2 for t in slow.arrivals])
+
+
+def test_summarize():
+    run = RunResult("x", 4.0, [rec(0, 0, 0.5, 2.5), rec(1, 0, 1.5, 3.5)], [2, 2, 0])
+    row = b.summarize(run, b.SLO(), load=0.5)
+    assert row["load"] == 0.5 and row["slo_met"] == 1 and row["goodput_rps"] == pytest.approx(0.25)
+    assert row["ttft_median_s"] == pytest.approx(1.0) and row["tokens_per_s"] == pytest.approx(22 / 4)
+
+
+def test_sweep_plumbing_on_tiny_model():
+    model = make_tiny_llama(vocab=97, max_len=256)
+    ids = torch.randint(0, 97, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    work = Workload(text_prompts(ids, 4, 4, 12, seed=0), b.varied_outputs(4, 2, 5, seed=0))
+    systems = {"continuous": EngineConfig(kv_cache_tokens=1024),
+               "static": EngineConfig(kv_cache_tokens=1024, scheduler=SchedulerConfig(
+                   batching="static", static_batch_size=2, chunked_prefill=False))}
+    cap, run = b.capacity(model, work, systems["continuous"])
+    assert cap > 0 and len(run.records) == 4 and run.output_tokens == sum(work.max_tokens)
+    points = b.load_sweep(model, work, cap, [0.5, 1.0], systems, seed=3)
+    assert [(p.load, p.system) for p in points] == [(0.5, "continuous"), (0.5, "static"),
+                                                     (1.0, "continuous"), (1.0, "static")]
+    assert points[0].rate == pytest.approx(cap / 2)
+    for p in points:
+        assert [r.output_tokens for r in p.run.records] == work.max_tokens
+        assert all(b.ttft_s(r) >= 0 for r in p.run.records)
+    static = [p for p in points if p.system == "static"]
+    for p in static:
+        w = b.padding_waste(p.run.running_per_step)
+        assert max(w.batches) <= 2 and sum(w.batches) == 4
+        assert w.wasted >= 0 and w.held == sum(s * n for s, n in zip(w.batches, w.steps))

@@ -1,0 +1,100 @@
+"""Chapter 18's helpers: the static cache gives the contiguous cache's tokens, one compiled
+graph serves every position, a changing Python int recompiles, and Inductor needs a C++
+compiler on PATH (compile tests are marked slow)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from labkit.experiments.compilation import (CompileCounter, StaticCache, break_even_steps,
+                                            compile_in_subprocess, compile_step, first_guard,
+                                            forward_step, greedy_decode, path_without_compiler,
+                                            prefill, recompile_case, slice_model, step_at)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(vocab=97, layers=2)
+
+
+def test_static_cache_eager_equals_contiguous(tiny):
+    a, _ = greedy_decode(tiny, forward_step, [3, 4, 5], 12, static=False)
+    b, times = greedy_decode(tiny, forward_step, [3, 4, 5], 12, static=True, max_len=32)
+    assert a == b and len(times) == 11
+    c, _ = greedy_decode(tiny, forward_step, [3, 4, 5], 12, static=True, max_len=32, batch=3)
+    assert c == a
+
+
+def test_caches_are_not_inference_tensors(tiny):
+    cache, logits = prefill(tiny, [3, 4, 5], True, 16)
+    assert isinstance(cache, StaticCache) and int(cache.position) == 3
+    assert not cache.keys.is_inference() and logits.shape == (1, 97)
+
+
+def test_step_at_rewinds_the_cache(tiny):
+    cache, _ = prefill(tiny, [3, 4, 5], True, 16)
+    call = step_at(tiny, forward_step, cache, 3, token=7)
+    first, second = call(), call()
+    assert torch.equal(first, second) and int(cache.position) == 4
+
+
+def test_slice_model_keeps_the_original(tiny):
+    small = slice_model(tiny, layers=1, dtype=torch.bfloat16)
+    assert len(small.layers) == 1 and small.config.num_layers == 1
+    assert small.embed.dtype == torch.bfloat16 and small.layers[0].qkv.dtype == torch.bfloat16
+    assert len(tiny.layers) == 2 and tiny.embed.dtype == torch.float32
+    ids, _ = greedy_decode(small, forward_step, [3, 4, 5], 4, static=True, max_len=16)
+    assert len(ids) == 4
+
+
+def test_break_even():
+    assert break_even_steps(10.0, 0.03, 0.02) == pytest.approx(1000.0)
+    assert math.isinf(break_even_steps(10.0, 0.02, 0.02))
+
+
+def test_path_without_compiler(tmp_path):
+    (tmp_path / "g++").write_text("")
+    other = tmp_path / "bin"
+    other.mkdir()
+    assert path_without_compiler(os.pathsep.join([str(tmp_path), str(other)])) == str(other)
+
+
+def test_first_guard():
+    message = ("Recompiling function forward_step in x.py:1\n"
+               "    triggered by the following guard failure(s):\n"
+               "    - 0/0: cache.length == 3      # check_positions(...)  # llama.py:50\n"
+               "    - User stack trace:\n")
+    assert first_guard(message) == "cache.length == 3"
+
+
+@pytest.mark.slow
+def test_compiled_static_step_compiles_once_and_matches_eager(tiny):
+    case = recompile_case([(tiny, True, 1, 0)], [3, 4, 5], 6, 16)
+    assert case["identical"] and case["graphs"] == 1 and case["guards"] == []
+
+
+@pytest.mark.slow
+def test_changing_length_recompiles(tiny):
+    case = recompile_case([(tiny, False, 1, 0)], [3, 4, 5], 4, 16, dynamic=False)
+    assert case["identical"] and case["graphs"] == 3
+    assert len(case["guards"]) == 2 and all("length" in g for g in case["guards"])
+
+
+@pytest.mark.slow
+def test_counter_backend_directly(tiny):
+    counter = CompileCounter()
+    step = compile_step(counter)
+    cache, _ = prefill(tiny, [3, 4, 5], True, 16)
+    want = step_at(tiny, forward_step, cache, 3)()
+    assert torch.allclose(step_at(tiny, step, cache, 3)(), want, atol=1e-5)
+    assert len(counter.graphs) == 1
+
+
+@pytest.mark.slow
+def test_inductor_needs_a_compiler_on_path():
+    stripped, normal = compile_in_subprocess(True, False)
+    assert not stripped["ok"] and "compiler" in stripped["error"].lower()
+    assert normal["ok"] and not normal["error"]

@@ -1,0 +1,85 @@
+"""The KV-cache experiments of chapter 10."""
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from labkit.experiments.kv_caching import (
+                                           cache_equivalence,
+                                           eval_prompts,
+                                           fill_cache,
+                                           generate_uncached,
+                                           kv_bytes_per_token,
+                                           perturbed_cache_trials,
+                                           speedup_curve,
+                                           stale_cache_trials,
+                                           summarize_trials,
+                                           )
+from labkit.experiments.naive_generation import generate_naive
+from labkit.eval import eval_text
+from labkit.models.llama import KVCache
+
+
+def test_bytes_per_token_closed_form(model):
+    c = model.config
+    assert kv_bytes_per_token(c) == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert kv_bytes_per_token(c, torch.float16) == 23_040
+    assert kv_bytes_per_token(c, kv_heads=c.num_heads) == 3 * 46_080
+    assert KVCache.empty(c, 1, 8).nbytes(1) == kv_bytes_per_token(c)
+
+
+def test_equivalence_on_a_short_prompt(model):
+    ids = model.tokenizer.encode(PROMPTS[1])
+    out = cache_equivalence(model, ids, 6)
+    assert out["identical"] and len(out["cached"]) == 6
+    assert len(out["step_max_abs_diff"]) == 6 and out["max_abs_diff"] < 1e-3
+    assert generate_uncached(model, ids, 6)[0] == generate_naive(model, ids, 6)[0]
+
+
+def test_speedup_curve_records(model):
+    ids = model.tokenizer.encode(PROMPTS[0])
+    (rec,) = speedup_curve(model, ids, [(4, 3)], repeats=1, warmup=0)
+    assert rec["prompt_tokens"] == 4 and rec["new_tokens"] == 3
+    assert rec["speedup"] == pytest.approx(rec["uncached_s"] / rec["cached_s"])
+
+
+def test_fill_cache_fills_every_position(model):
+    ids = model.tokenizer.encode(PROMPTS[0])[:10]
+    cache = fill_cache(model, ids, chunk=4)
+    assert cache.length == cache.max_len == 10
+    assert cache.nbytes() == 10 * kv_bytes_per_token(model.config)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return eval_prompts(model.tokenizer, eval_text(), count=3, length=12)
+
+
+def test_eval_prompts_deterministic(model, prompts):
+    assert len(prompts) == 3 and all(len(p) == 12 for p in prompts)
+    assert eval_prompts(model.tokenizer, eval_text(), count=3, length=12) == prompts
+
+
+def test_stale_cache_differs_and_control_is_exact(model, prompts):
+    stale = stale_cache_trials(model, prompts)
+    control = stale_cache_trials(model, prompts, shift=0)
+    assert all(t["max_abs_err"] > 1e-2 for t in stale)
+    assert all(t["max_abs_err"] < 1e-3 and t["right"] for t in control)
+    s = summarize_trials(stale)
+    assert s["trials"] == 3 and s["worst_err"] >= s["median_err"] > 0
+
+
+def test_perturbed_trial_restores_weights(model, prompts):
+    layer = model.layers[5]
+    before, saved = layer.qkv, layer.qkv.clone()
+    trials = perturbed_cache_trials(model, prompts[:2], layer=5, scale=0.02, seed=0)
+    assert layer.qkv is before and torch.equal(layer.qkv, saved)
+    assert all(t["max_abs_err"] > 0 for t in trials)
+
+
+def test_perturbed_trial_restores_weights_on_error(model):
+    layer = model.layers[0]
+    before = layer.qkv
+    with pytest.raises(Exception):
+        perturbed_cache_trials(model, [[1, 2, 10**9]], layer=0)  # an id outside the vocab
+    assert layer.qkv is before

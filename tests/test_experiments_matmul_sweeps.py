@@ -1,0 +1,211 @@
+"""The matmul sweeps: FLOP and byte arithmetic, both weight layouts, thread settings."""
+
+import pytest
+import torch
+
+from labkit.experiments import matmul_sweeps as sweeps
+from labkit.util.timing import Timing
+from labkit.models.gguf_file import LlamaConfig
+
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                      rms_norm_eps=1e-5, max_position_embeddings=8192)
+
+
+@pytest.fixture
+def fixed_timer(monkeypatch):
+    """Replace `measure` in the sweeps with one that calls fn once and reports fixed samples
+    (1, 2, 3, 4, 5 ms: median 3 ms, p25 2 ms, p75 4 ms), recording what it was asked."""
+    calls = []
+
+    def fake_measure(fn, *, name="call", repeats=7, warmup=2, min_seconds=0.0,
+                     max_repeats=1000, threads=None, device=None, **meta):
+        fn()
+        calls.append({"name": name, "threads": threads, "device": device, "warmup": warmup})
+        return Timing(name, [0.001, 0.002, 0.003, 0.004, 0.005], warmup=warmup,
+                      threads=threads if threads is not None else torch.get_num_threads())
+
+    monkeypatch.setattr(sweeps, "measure", fake_measure)
+    return calls
+
+
+def test_closed_forms():
+    assert sweeps.matmul_flops(3, 5, 7) == 2 * 3 * 5 * 7
+    assert sweeps.matmul_bytes(3, 5, 7) == 4 * (3 * 7 + 7 * 5 + 3 * 5)
+    assert sweeps.matmul_bytes(3, 5, 7, torch.bfloat16) == 2 * (3 * 7 + 7 * 5 + 3 * 5)
+    assert sweeps.weight_bytes(576, 49152) == 576 * 49152 * 4
+    assert sweeps.dtype_bytes(torch.float16) == 2
+
+
+def test_gemm_records_match_closed_forms(fixed_timer):
+    records = sweeps.gemm_sweep([4, 8], threads_list=(1, 2))
+    assert [(r["n"], r["threads"]) for r in records] == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    for r in records:
+        n = r["n"]
+        assert r["flops"] == 2 * n**3 and r["bytes"] == 3 * n * n * 4
+        assert r["median_s"] == 0.003 and r["p25_s"] == 0.002 and r["p75_s"] == 0.004
+        assert r["mean_s"] == pytest.approx(0.003)
+        assert r["gflops"] == pytest.approx(2 * n**3 / 0.003 / 1e9)
+        assert r["gbps"] == pytest.approx(12 * n * n / 0.003 / 1e9)
+        assert r["spread"] == pytest.approx((0.004 - 0.002) / 0.003)
+    assert [c["threads"] for c in fixed_timer] == [1, 2, 1, 2]
+
+
+def test_gemv_records_match_closed_forms(fixed_timer):
+    shapes = {"a": (6, 10), "b": (12, 3)}
+    records = sweeps.gemv_sweep(shapes, threads_list=(1,), layout="out_in", batch=2)
+    assert [r["name"] for r in records] == ["a", "b"]
+    for r, (k, n) in zip(records, shapes.values()):
+        assert (r["in_features"], r["out_features"], r["batch"]) == (k, n, 2)
+        assert r["flops"] == 2 * 2 * k * n
+        assert r["weight_bytes"] == 4 * k * n
+        assert r["bytes"] == 4 * (k * n + 2 * k + 2 * n)
+        assert r["gbps"] == pytest.approx(4 * k * n / 0.003 / 1e9)
+        assert r["gflops"] == pytest.approx(4 * k * n / 0.003 / 1e9)
+        assert r["layout"] == "out_in" and r["copies"] == 1
+
+
+def test_cold_copies():
+    assert sweeps.cold_copies(100, 0) == 1
+    assert sweeps.cold_copies(100, 50) == 1
+    assert sweeps.cold_copies(100, 250) == 3
+    assert sweeps.cold_copies(100, 300) == 3
+
+
+def test_cold_sweep_cycles_through_copies(fixed_timer):
+    records = sweeps.gemv_sweep({"w": (8, 16)}, threads_list=(1,), cold_bytes=4 * 8 * 16 * 5)
+    assert records[0]["copies"] == 5
+    assert fixed_timer[0]["warmup"] >= 5  # every copy is touched before timing
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_both_layouts_compute_the_same_product(batch):
+    w_in_out = sweeps.gemv_weight(48, 80, "in_out", generator=torch.Generator().manual_seed(3))
+    w_out_in = sweeps.gemv_weight(48, 80, "out_in", generator=torch.Generator().manual_seed(3))
+    assert w_in_out.shape == (48, 80) and w_out_in.shape == (80, 48)
+    assert w_in_out.is_contiguous() and w_out_in.is_contiguous()
+    x = torch.randn(batch, 48)
+    a, b = sweeps.gemv(x, w_in_out, "in_out"), sweeps.gemv(x, w_out_in, "out_in")
+    assert a.shape == (batch, 80)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, x @ w_out_in.t())
+
+
+def test_bad_layout_is_refused():
+    with pytest.raises(ValueError):
+        sweeps.gemv_weight(4, 4, "rows")
+    with pytest.raises(ValueError):
+        sweeps.gemv_sweep({"w": (4, 4)}, layout="rows")
+
+
+def test_thread_setting_is_respected():
+    """Real timing on tiny sizes: each record reports the thread count it ran under, and the
+    process's setting is restored afterwards."""
+    before = torch.get_num_threads()
+    gemm = sweeps.gemm_sweep([8], threads_list=(1, 2), repeats=2, warmup=1)
+    gemv = sweeps.gemv_sweep({"w": (16, 8)}, threads_list=(2, 1), repeats=2, warmup=1)
+    tiny = sweeps.call_overhead_sweep([2], threads=1, repeats=3, warmup=1, min_seconds=0.0,
+                                      rounds=1)
+    assert [r["threads"] for r in gemm] == [1, 2]
+    assert [r["threads"] for r in gemv] == [2, 1]
+    assert tiny[0]["threads"] == 1 and tiny[0]["flops"] == 16
+    assert torch.get_num_threads() == before
+    for r in gemm + gemv + tiny:
+        assert r["p25_s"] <= r["median_s"] <= r["p75_s"] and r["repeats"] >= 2
+
+
+def test_overhead_floor_and_where_it_is_left():
+    records = [{"n": n, "median_s": t} for n, t in
+               [(1, 1.0e-6), (2, 1.2e-6), (4, 1.1e-6), (8, 1.5e-6), (16, 2.5e-6), (32, 9e-6)]]
+    floor = sweeps.overhead_floor(records, upto=4)
+    assert floor == pytest.approx(1.0e-6)
+    assert sweeps.leaves_floor(records, floor, factor=2.0) == 16
+    assert sweeps.leaves_floor(records, floor, factor=10.0) is None
+    with pytest.raises(ValueError):
+        sweeps.overhead_floor(records[3:], upto=4)
+
+
+def test_call_overhead_pools_rounds(fixed_timer):
+    records = sweeps.call_overhead_sweep([1, 3], rounds=2)
+    assert [c["name"] for c in fixed_timer] == ["mm 1", "mm 3", "mm 1", "mm 3"]
+    assert [(r["n"], r["repeats"], r["flops"]) for r in records] == [(1, 10, 2), (3, 10, 54)]
+    assert records[0]["median_us"] == pytest.approx(3000.0)
+
+
+def test_compare_threads_pools_rounds_and_gives_speedups(monkeypatch):
+    seen = []
+
+    def fake_measure(fn, *, name, repeats, warmup, min_seconds, threads):
+        seen.append((name, threads))
+        t = {1: 0.004, 2: 0.002}[threads] if name == "big" else 0.001
+        return Timing(name, [t] * repeats, warmup=warmup, threads=threads)
+
+    monkeypatch.setattr(sweeps, "measure", fake_measure)
+    records = sweeps.compare_threads({"big": lambda: None, "small": lambda: None},
+                                     rounds=2, repeats=3)
+    assert seen == [("big", 1), ("big", 2), ("small", 1), ("small", 2)] * 2
+    assert [(r["name"], r["threads"], r["repeats"]) for r in records] == [
+        ("big", 1, 6), ("big", 2, 6), ("small", 1, 6), ("small", 2, 6)]
+    assert [r["speedup"] for r in records] == pytest.approx([1.0, 2.0, 1.0, 1.0])
+
+
+def test_model_shapes_are_smollm2s():
+    shapes = sweeps.model_gemv_shapes(SMOLLM2)
+    assert shapes == {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072),
+                      "down": (1536, 576), "lm_head": (576, 49152)}
+    counts = sweeps.gemv_calls_per_token(SMOLLM2)
+    weights = sum(k * n * counts[name] for name, (k, n) in shapes.items())
+    # every weight of the model but the norms (and the tied embedding counted once, as the head)
+    assert weights == 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576) + 576 * 49152
+
+
+def test_decode_helpers_on_a_tiny_model():
+    from labkit.models.llama import Llama
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
+                         rms_norm_eps=1e-5, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(0)
+    state = {"model.embed_tokens.weight": torch.randn(64, 32, generator=g),
+             "model.norm.weight": torch.ones(32)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        state.update({p + "input_layernorm.weight": torch.ones(32),
+                      p + "post_attention_layernorm.weight": torch.ones(32),
+                      p + "self_attn.q_proj.weight": torch.randn(32, 32, generator=g),
+                      p + "self_attn.k_proj.weight": torch.randn(16, 32, generator=g),
+                      p + "self_attn.v_proj.weight": torch.randn(16, 32, generator=g),
+                      p + "self_attn.o_proj.weight": torch.randn(32, 32, generator=g),
+                      p + "mlp.gate_proj.weight": torch.randn(48, 32, generator=g),
+                      p + "mlp.up_proj.weight": torch.randn(48, 32, generator=g),
+                      p + "mlp.down_proj.weight": torch.randn(32, 48, generator=g)})
+    model = Llama(config, state)
+    assert model.layers[0].qkv.shape[::-1] == sweeps.model_gemv_shapes(config)["qkv"]
+    assert sweeps.decode_matmul_pass(model)().shape == (1, 64)
+    step = sweeps.decode_step_fn(model, [1, 2, 3], next_id=5)
+    first, second = step(), step()
+    assert first.shape == (1, 1, 64)
+    torch.testing.assert_close(first, second)  # the cache is rewound: the same step again
+    full = model(torch.tensor([[1, 2, 3, 5]]))[:, -1:]
+    torch.testing.assert_close(first, full, rtol=1e-4, atol=1e-4)
+
+
+def test_device_sweep_runs_all_three_on_the_cpu(fixed_timer):
+    """The GPU section's code path, exercised on the CPU with the host's default threads."""
+    out = sweeps.device_sweep("cpu", [4], {"w": (8, 4)}, [1, 2], cold_bytes=4 * 8 * 4 * 2)
+    assert sorted(out) == ["gemm", "gemv", "tiny"]
+    assert [r["n"] for r in out["gemm"]] == [4] and out["gemv"][0]["copies"] == 2
+    assert out["gemv"][0]["layout"] == "out_in" and [r["n"] for r in out["tiny"]] == [1, 2]
+    assert all(c["threads"] is None and c["device"] == "cpu" for c in fixed_timer)
+
+
+def test_cpu_caches_reads_sysfs(tmp_path):
+    for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"),
+                                              (2, "Unified", "1024K"), (3, "Unified", "32M")]):
+        folder = tmp_path / "cpu0" / "cache" / f"index{i}"
+        folder.mkdir(parents=True)
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "type").write_text(f"{kind}\n")
+        (folder / "size").write_text(f"{size}\n")
+    assert sweeps.cpu_caches(root=str(tmp_path)) == {"L1": 32 * 2**10, "L2": 2**20, "L3": 32 * 2**20}
+    assert sweeps.cpu_caches(root=str(tmp_path / "missing")) == {}

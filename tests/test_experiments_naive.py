@@ -1,0 +1,137 @@
+"""The naive loop, the one-pass check, stop matching and streaming of chapter 5."""
+
+import pytest
+
+from conftest import PROMPTS
+from labkit.engine.loop import generate
+from labkit.experiments.naive_generation import check_in_one_pass, generate_naive, generation_flops, pass_flops
+from labkit.experiments.naive_text import (
+    count_replacement,
+    locate_in_tokens,
+    sentencepiece_style_tokenizer,
+    stop_naive_per_token,
+    stop_text_level,
+    stream_incremental,
+    stream_naive,
+    stream_table,
+)
+from labkit.models.gpt2 import GPT2Config
+from labkit.sampling import SamplingParams
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    """(prompt_ids, 16 greedy tokens from the cached loop) for PROMPTS[1]."""
+    prompt_ids = model.tokenizer.encode(PROMPTS[1])
+    out = generate(model, prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                     ignore_eos=True))
+    return prompt_ids, out.token_ids
+
+
+def test_naive_loop_equals_cached_loop(model, greedy):
+    prompt_ids, cached = greedy
+    tokens, seconds = generate_naive(model, prompt_ids, NEW_TOKENS)
+    assert tokens == cached
+    assert len(seconds) == NEW_TOKENS and all(s > 0 for s in seconds)
+
+
+def test_naive_loop_stops_on_a_stop_token(model, greedy):
+    prompt_ids, cached = greedy
+    stop = cached[3]
+    first = cached.index(stop)
+    tokens, seconds = generate_naive(model, prompt_ids, first + 2, stop_token_ids=[stop])
+    assert tokens == cached[:first]  # the stop token is not returned
+    assert len(seconds) == first + 1
+    with pytest.raises(ValueError):
+        generate_naive(model, [], 4)
+
+
+def test_one_pass_check_agrees_at_every_position(model, greedy):
+    prompt_ids, tokens = greedy
+    argmax_ids, matches = check_in_one_pass(model, prompt_ids, tokens)
+    assert argmax_ids == tokens
+    assert matches == [True] * NEW_TOKENS
+
+
+def test_one_pass_check_finds_a_changed_token(model, greedy):
+    prompt_ids, tokens = greedy
+    changed = list(tokens)
+    position = 5
+    changed[position] = model.tokenizer.encode(" banana")[0]
+    assert changed[position] != tokens[position]
+    argmax_ids, matches = check_in_one_pass(model, prompt_ids, changed)
+    assert matches[:position] == [True] * position  # the prefix before it is untouched
+    assert not matches[position]
+    assert argmax_ids[position] == tokens[position]  # the model still wants the original token
+    assert check_in_one_pass(model, prompt_ids, []) == ([], [])
+
+
+def test_stream_naive_breaks_an_emoji_and_incremental_does_not(model):
+    tok = model.tokenizer
+    text = "Tea ☕ or sushi 🍣?"
+    ids = tok.encode(text)
+    naive = stream_naive(tok, ids)
+    incremental = stream_incremental(tok, ids)
+    assert len(naive) == len(incremental) == len(ids)
+    assert count_replacement("".join(naive)) > 0
+    assert "".join(naive) != text
+    assert count_replacement("".join(incremental)) == 0
+    assert "".join(incremental) == text == tok.decode(ids)
+    assert all(count_replacement(piece) == 0 for piece in incremental)
+    rows = stream_table(tok, ids)
+    assert [r["id"] for r in rows] == ids
+    assert "' ☕'" in [r["incremental"] for r in rows]
+
+
+def test_stream_naive_loses_spaces_with_a_sentencepiece_decoder():
+    toy = sentencepiece_style_tokenizer(["<unk>", "▁Tea", "▁or", "▁coffee", "▁", "<0xE2>", "<0x98>",
+                                         "<0x95>", "?"])
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert toy.decode(ids) == "Tea or coffee ☕?"
+    assert "".join(stream_naive(toy, ids)) == "Teaorcoffee\ufffd\ufffd\ufffd?"
+    assert "".join(stream_incremental(toy, ids)) == toy.decode(ids)
+
+
+def test_stop_string_across_tokens(model, greedy):
+    tok = model.tokenizer
+    prompt_ids, tokens = greedy
+    text = tok.decode(tokens)
+    where = next(loc for i in range(1, len(text) - 4)
+                 if (loc := locate_in_tokens(tok, tokens, text[i:i + 4]))
+                 and loc["starts_inside"] and loc["tokens_spanned"] == 2
+                 and text.find(text[i:i + 4]) == i)
+    stop = text[where["start"]:where["start"] + 4]
+    assert stop_naive_per_token(tok, tokens, [stop]) is None  # no token's own text holds it
+    consumed, kept = stop_text_level(tok, tokens, [stop])
+    assert consumed == where["last_token"] + 1
+    assert kept == text[:where["start"]]
+    engine = generate(model, prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                        stop=(stop,)))
+    assert engine.finish_reason == "stop" and engine.text == kept
+    # a stop string inside one token is found by both checks
+    inside = tok.decode([tokens[1]])
+    assert stop_naive_per_token(tok, tokens, [inside]) is not None
+    assert locate_in_tokens(tok, tokens, "no such text") is None
+
+
+def test_flop_count_matches_gpt2_by_hand():
+    config = GPT2Config()
+    matmul_params = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072)  # 84,934,656
+    one_token = pass_flops(config, 1, logits_positions=0)
+    assert one_token == 2 * matmul_params + 2 * 2 * 768 * 12  # weights + attention to itself
+    assert pass_flops(config, 1) - one_token == 2 * 768 * 50257
+    # the source's 27x (GPT-2, 17 + 64 tokens) is what the arithmetic predicts
+    flops = generation_flops(config, 17, 64)
+    assert 26 < flops["naive"] / flops["check"] < 28
+    assert flops["cached"] < flops["check"]  # the check also scores the prompt positions
+
+
+def test_flop_count_of_the_llama_config(model):
+    c = model.config
+    per_layer = sum(t.numel() for n, t in model.layers[0].weights().items() if "norm" not in n)
+    assert pass_flops(c, 3, logits_positions=0) == 2 * 3 * per_layer * c.num_layers + \
+        2 * 2 * c.num_heads * c.head_dim * (1 + 2 + 3) * c.num_layers
+    with pytest.raises(TypeError):
+        pass_flops(object(), 1)

@@ -1,0 +1,156 @@
+"""labkit.experiments.prefill_decode: chunked prefill is exact, the two-request timeline is right, shares add up."""
+
+import math
+
+import pytest
+import torch
+
+from labkit.experiments import prefill_decode as phases
+from labkit.models.gguf_file import LlamaConfig
+from labkit.models.llama import Llama
+
+TINY = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
+                   rms_norm_eps=1e-5, max_position_embeddings=512)
+
+
+def random_state(c: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face Llama names."""
+    g = torch.Generator().manual_seed(seed)
+    E, D, I = c.hidden_size, c.head_dim, c.intermediate_size
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    state = {"model.embed_tokens.weight": r(c.vocab_size, E), "model.norm.weight": 1 + r(E)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        state |= {p + "input_layernorm.weight": 1 + r(E),
+                  p + "post_attention_layernorm.weight": 1 + r(E),
+                  p + "self_attn.q_proj.weight": r(c.num_heads * D, E),
+                  p + "self_attn.k_proj.weight": r(c.num_kv_heads * D, E),
+                  p + "self_attn.v_proj.weight": r(c.num_kv_heads * D, E),
+                  p + "self_attn.o_proj.weight": r(E, c.num_heads * D),
+                  p + "mlp.gate_proj.weight": r(I, E), p + "mlp.up_proj.weight": r(I, E),
+                  p + "mlp.down_proj.weight": r(E, I)}
+    return state
+
+
+class CharTokenizer:
+    """A toy tokenizer: one token per character (ids below the tiny vocabulary)."""
+
+    eos_token_id = None
+
+    def encode(self, text):
+        return [ord(ch) % 97 for ch in text]
+
+    def decode(self, ids, **_):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Llama(TINY, random_state(TINY))
+    model.tokenizer = CharTokenizer()
+    return model
+
+
+def ids(n, seed=1):
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 40])
+def test_chunked_prefill_equals_one_shot(tiny, chunk):
+    prompt = ids(40)
+    one_shot = tiny(torch.tensor([prompt]))
+    chunked = phases.chunked_prefill(tiny, prompt, chunk)
+    assert chunked.shape == one_shot.shape
+    torch.testing.assert_close(chunked, one_shot, rtol=0, atol=1e-5)
+    last = phases.chunked_prefill(tiny, prompt, chunk, last_only=True)
+    torch.testing.assert_close(last, one_shot[:, -1:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_two_request_timeline_counts_and_gap(tiny, chunk):
+    t = phases.two_request_timeline(tiny, ids(4), ids(64, seed=2), chunk=chunk,
+                                    short_tokens=12, long_tokens=3, arrive_after=4)
+    short, long = t["short"], t["long"]
+    assert len(short["token_ids"]) == len(short["token_times"]) == 12
+    assert len(long["token_ids"]) == len(long["token_times"]) == 3
+    assert short["token_times"] == sorted(short["token_times"])
+    kinds = [(name, kind, n) for name, kind, _, _, n in t["passes"]]
+    prefill = [n for name, kind, n in kinds if name == "long" and kind == phases.PREFILL]
+    assert sum(prefill) == 64 and len(prefill) == (1 if chunk is None else 4)
+    # one forward pass per token, plus the long request's middle chunks
+    assert len(kinds) == 12 + 3 + len(prefill) - 1
+    # the short request's tokens equal those it makes alone (greedy, its own cache)
+    alone = phases.two_request_timeline(tiny, ids(4), ids(8, seed=2), short_tokens=12,
+                                        arrive_after=99)
+    assert alone["short"]["token_ids"] == short["token_ids"]
+    gaps = phases.gap_summary(t)
+    assert gaps["before_gaps"] == 3 and gaps["during_gaps"] >= 1 and gaps["after_gaps"] >= 1
+    # the gap that spans the long prefill contains all of its passes
+    long_prefill = sum(d for name, kind, _, d, _ in t["passes"]
+                       if name == "long" and kind == phases.PREFILL)
+    if chunk is None:
+        assert gaps["during_max_s"] >= long_prefill
+    # last prefill logits equal a one-shot prefill's
+    ref = tiny(torch.tensor([ids(64, seed=2)]))[0, -1]
+    torch.testing.assert_close(long["last_logits"], ref, rtol=0, atol=1e-5)
+
+
+def test_phase_shares_sum_to_one(tiny):
+    records = phases.phase_shares(tiny, [8, 32], [1, 4], ids=ids(32), repeats=1)
+    assert [(r["prompt"], r["reply"]) for r in records] == [(8, 1), (8, 4), (32, 1), (32, 4)]
+    for r in records:
+        assert r["reply_tokens"] == r["reply"]
+        assert r["prefill_share"] + r["decode_share"] == pytest.approx(1.0)
+        assert r["ttft_s"] + r["decode_s"] == pytest.approx(r["total_s"])
+        assert 0 < r["prefill_share"] <= 1
+    assert records[0]["decode_s"] < records[1]["decode_s"] or records[0]["reply"] == 1
+
+
+def test_ttft_and_decode_curves(tiny):
+    prompt = ids(65)
+    ttft = phases.ttft_curve(tiny, [8, 32], repeats=2, ids=prompt)
+    assert [r["length"] for r in ttft] == [8, 32] and [r["tokens"] for r in ttft] == [8, 32]
+    for r in ttft:
+        assert r["repeats"] == 2 and r["median_s"] > 0
+        assert r["prefill_s"] <= r["median_s"] * 1.5
+    dec = phases.decode_curve(tiny, [64, 4, 16], steps=3, ids=prompt)
+    assert [r["position"] for r in dec] == [4, 16, 64] and all(r["repeats"] == 3 for r in dec)
+
+
+def test_decode_step_at_a_position_is_a_real_continuation(tiny):
+    """The rewound cache gives the same logits as running the p + 1 tokens from scratch."""
+    prompt = ids(33)
+    cache = tiny.new_cache(1, 33)
+    tiny(torch.tensor([prompt]), cache=cache)
+    cache.length = 20
+    step = tiny(torch.tensor([[prompt[20]]]), cache=cache)[0, -1]
+    full = tiny(torch.tensor([prompt[:21]]))[0, -1]
+    torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+
+
+def test_slopes_and_fit():
+    n = [16, 32, 64, 128]
+    s = phases.loglog_slopes(n, [x * 1e-3 for x in n])
+    assert all(r["slope"] == pytest.approx(1.0) for r in s)
+    q = phases.loglog_slopes(n, [x * x for x in n])
+    assert all(r["slope"] == pytest.approx(2.0) for r in q)
+    fit = phases.fit_linear_quadratic(n, [0.5 + 0.01 * x + 1e-4 * x * x for x in n])
+    assert fit["a"] == pytest.approx(0.5, rel=1e-6) and fit["c"] == pytest.approx(1e-4, rel=1e-6)
+    assert 0 < fit["quadratic_share_at_max"] < 1
+    assert math.isclose(phases.fit_linear_quadratic(n, [1.0] * 4)["c"], 0.0, abs_tol=1e-12)
+
+
+def test_reference_phase_times_on_the_cpu():
+    """The GPU section's code path, exercised on the CPU with a tiny transformers Llama."""
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(HFConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2)).eval()
+    out = phases.reference_phase_times(ref, ids(16), [4, 16], device="cpu", repeats=1, steps=2)
+    assert [r["length"] for r in out] == [4, 16] and all(r["decode_s"] > 0 for r in out)

@@ -1,0 +1,134 @@
+"""labkit.experiments.speculation: the closed forms of when speculation pays, and the sweep's
+plumbing on a tiny random Llama (no tokenizer)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from labkit.experiments.speculation import (RULES, add_predictions, break_even_alpha, chapter_sweep,
+                                            chi_square_pvalue, draft_agreement, first_token_draws,
+                                            interleaved, make_drafter, overlap, pass_costs,
+                                            predicted_speedup, prose_passages, speculation_sweep)
+from labkit.engine.speculative import LayerSkipDrafter, NgramDrafter
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(vocab=61, layers=3)
+
+
+def plain_greedy(model, ids, params):
+    cache = model.new_cache(1, len(ids) + params.max_tokens)
+    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
+    out = []
+    for _ in range(params.max_tokens):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
+def test_predicted_speedup_closed_forms():
+    assert predicted_speedup(0.0, 4, 1.0) == 1.0            # every guess fails, free verification
+    assert predicted_speedup(1.0, 4, 1.0) == 5.0            # every guess accepted: k + 1 tokens
+    assert predicted_speedup(0.5, 2, 1.0) == pytest.approx(1.75)
+    assert predicted_speedup(0.5, 2, 1.25, 0.25) == pytest.approx(1.75 / 1.75)
+    assert predicted_speedup(0.0, 3, 2.0) == 0.5            # a CPU pass that costs twice a step
+    with pytest.raises(ValueError):
+        predicted_speedup(0.5, 2, 0.0)
+
+
+def test_break_even_alpha():
+    assert break_even_alpha(4, 1.0) == 0.0                  # flat verification: never slower
+    assert break_even_alpha(1, 1.5) == pytest.approx(0.5, abs=1e-6)    # 1 + a = 1.5
+    golden = (math.sqrt(5) - 1) / 2                          # 1 + a + a^2 = 2
+    assert break_even_alpha(2, 2.0) == pytest.approx(golden, abs=1e-6)
+    assert math.isnan(break_even_alpha(2, 4.0))             # even alpha = 1 gives 3 < 4
+    assert break_even_alpha(2, 1.0, 0.5) == pytest.approx(golden, abs=1e-6)
+
+
+def test_prose_passages_are_whole_paragraphs():
+    class Words:
+        def encode(self, text):
+            return text.split()
+
+    text = "\n\n".join(f"paragraph {i} " + "word " * 30 for i in range(20))
+    out = prose_passages(text, 2, Words(), min_tokens=60, stride=5)
+    assert len(out) == 2 and out[0].startswith("paragraph 0") and out[1].startswith("paragraph 5")
+    assert all(len(p.split()) >= 60 and p.endswith("\n\n") for p in out)
+
+
+def test_make_drafter(tiny):
+    assert isinstance(make_drafter(tiny, "ngram"), NgramDrafter)
+    d = make_drafter(tiny, "layerskip-2")
+    assert isinstance(d, LayerSkipDrafter) and d.layers == 2
+    with pytest.raises(ValueError):
+        make_drafter(tiny, "small-model")
+
+
+def test_draft_agreement_full_depth_is_one(tiny):
+    from labkit.sampling import SamplingParams
+
+    prompt = [3, 4, 5, 6, 3, 4]
+    target = plain_greedy(tiny, prompt, SamplingParams(temperature=0.0, max_tokens=12))
+    agree = draft_agreement(tiny, [1, 3], prompt, target)
+    assert agree[3] == 1.0 and 0.0 <= agree[1] <= 1.0
+
+
+def test_pass_costs_records(tiny):
+    rows = pass_costs(tiny, list(range(1, 20)), [2, 4], draft_layers=[1], repeats=2, warmup=0)
+    assert [(r["what"], r["tokens"]) for r in rows] == [("target", 1), ("target", 2), ("target", 4),
+                                                         ("draft-1", 1)]
+    assert rows[0]["relative"] == 1.0 and rows[-1]["layers"] == 1
+    assert all(r["median_s"] > 0 for r in rows)
+
+
+def test_interleaved_takes_one_sample_per_round():
+    calls = []
+    timings = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert calls == ["a", "b"] * 3 and len(timings["a"].samples) == 3
+
+
+def test_sweep_plumbing_on_tiny_model(tiny):
+    prompts = {"repetitive": [[5, 6, 7, 8] * 4], "other": [[9, 1, 30, 2, 44]]}
+    rows = speculation_sweep(tiny, prompts, [("ngram", 2), ("layerskip-1", 1)], new_tokens=10,
+                             rounds=1, plain=plain_greedy)
+    assert len(rows) == 6
+    assert all(r["equal_to_plain"] and r["tokens"] == 10 for r in rows)
+    assert {(r["drafter"], r["k"]) for r in rows} == {("none", 0), ("ngram", 2), ("layerskip-1", 1)}
+    plain = [r for r in rows if r["drafter"] == "none"]
+    assert all(r["speedup"] == 1.0 and r["tokens_per_verification"] == 1.0 for r in plain)
+    spec = [r for r in rows if r["drafter"] != "none"]
+    assert all(1.0 <= r["tokens_per_verification"] <= r["k"] + 1 for r in spec)
+    predicted = add_predictions(rows, {2: 1.1, 3: 1.2}, {"layerskip-1": 0.3})
+    assert len(predicted) == 4 and all(r["predicted_speedup"] > 0 for r in predicted)
+
+
+def test_chapter_sweep_runs_layerskip_on_first_prompts_only(tiny):
+    prompts = {"a": [[5, 6, 7, 5, 6], [8, 9, 8, 9]]}
+    rows = chapter_sweep(tiny, prompts, [1], 1, [1], new_tokens=4, rounds=1,
+                         plain=plain_greedy)
+    seen = {(r["prompt"], r["drafter"]) for r in rows}
+    assert seen == {(0, "none"), (0, "ngram"), (0, "layerskip-1"), (1, "none"), (1, "ngram")}
+
+
+def test_rejection_rule_keeps_p_and_the_controls_do_not():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    assert overlap(p, q) == pytest.approx(0.1 + 0.2 + 0.15 + 0.05)
+    draws = 3000
+    counts = {rule: first_token_draws(p, q, draws, rule, seed=1) for rule in RULES}
+    assert all(float(c.sum()) == draws for c in counts.values())
+    assert chi_square_pvalue(counts["rejection"], p)[0] > 1e-3
+    assert chi_square_pvalue(counts["resample_from_p"], p)[0] < 1e-6
+    assert chi_square_pvalue(counts["draft_only"], p)[0] < 1e-6
+    with pytest.raises(ValueError):
+        first_token_draws(p, q, 1, "bogus")
+
+
+def test_chi_square_folds_small_bins():
+    probs = torch.tensor([0.5, 0.49, 0.005, 0.005])
+    counts = torch.tensor([50.0, 49.0, 1.0, 0.0])
+    pvalue, bins = chi_square_pvalue(counts, probs)
+    assert bins == 2 and pvalue > 0.5  # the two rare tokens: one rest bin, too small, folded

@@ -1,0 +1,58 @@
+"""The timing helpers: repeats, warm-up, quantiles, threads, peak memory."""
+
+import time
+
+import pytest
+import torch
+
+from labkit.util.timing import PeakMemory, Timing, measure, num_threads
+
+
+def test_measure_calls_warmup_plus_repeats():
+    calls = []
+    timing = measure(lambda: calls.append(1), repeats=5, warmup=3)
+    assert len(calls) == 8 and len(timing.samples) == 5 and timing.warmup == 3
+
+
+def test_min_seconds_extends_the_run():
+    timing = measure(lambda: time.sleep(0.002), repeats=2, warmup=0, min_seconds=0.05)
+    assert len(timing.samples) >= 10
+
+
+def test_samples_cover_the_call():
+    timing = measure(lambda: time.sleep(0.01), repeats=3, warmup=0)
+    assert timing.min >= 0.01
+
+
+def test_quantiles_match_closed_form():
+    t = Timing("x", [4.0, 1.0, 3.0, 2.0, 5.0], warmup=0, threads=1)
+    assert t.median == 3.0 and t.quantile(0.25) == 2.0 and t.quantile(0.75) == 4.0
+    assert t.quantile(0.1) == pytest.approx(1.4)
+    assert t.spread == pytest.approx(2.0 / 3.0)
+
+
+def test_threads_are_set_and_restored():
+    before = torch.get_num_threads()
+    with num_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    assert measure(lambda: None, repeats=1, warmup=0, threads=1).threads == 1
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError):
+        measure(lambda: None, repeats=0)
+
+
+def test_peak_memory_sees_a_large_allocation():
+    with PeakMemory() as peak:
+        block = torch.ones(64, 1024, 1024)  # 256 MiB, touched
+        time.sleep(0.2)  # time for the sampling thread to run on a busy machine
+        del block
+    assert peak.rss_delta_bytes > 200 * 2**20
+
+
+def test_peak_memory_of_nothing_is_small():
+    with PeakMemory() as peak:
+        time.sleep(0.01)
+    assert peak.rss_delta_bytes < 32 * 2**20
