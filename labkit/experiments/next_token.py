@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from labkit.engine.loop import greedy_decode
 from labkit.sampling import SamplingParams, probabilities, sample
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
     "step_logits",
 ]
 
-_GREEDY = SamplingParams(temperature=0.0)
 
 
 # --------------------------------------------------------------------------- entropy
@@ -134,26 +134,21 @@ def greedy_trace(model, prompt_ids: Sequence[int], steps: int, top: int = 5, *,
                  keep_logits: bool = False) -> list[StepRecord]:
     """Greedy decoding of ``steps`` tokens with the KV cache, recording every step.
 
-    The loop is ``labkit.engine.loop.generate``'s (one prefill of the prompt, then one decode
-    step per token, the token picked by ``labkit.sampling.sample`` under temperature 0), so the
-    tokens are the same; unlike ``generate`` it does not stop at EOS, so it always returns
-    ``steps`` records. ``top`` candidates are kept per step; ``keep_logits=True`` also keeps
-    the raw logits of every step (``steps * vocab`` floats).
+    The loop is the one cached greedy loop (``labkit.engine.loop.greedy_decode``: one prefill
+    of the prompt, then one decode step per token, the argmax with ties to the lowest id, as
+    ``labkit.sampling.sample`` under temperature 0), so the tokens are ``generate``'s; unlike
+    ``generate`` it does not stop at EOS, so it always returns ``steps`` records. ``top``
+    candidates are kept per step; ``keep_logits=True`` also keeps the raw logits of every step
+    (``steps * vocab`` floats).
     """
     prompt_ids = [int(i) for i in prompt_ids]
     if not prompt_ids:
         raise ValueError("the prompt is empty: at least one token is needed to condition on")
     if steps < 1:
         raise ValueError("steps must be at least 1")
-    cache = model.new_cache(batch=1, max_len=len(prompt_ids) + steps)
-    logits = model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[0, -1]
-    records: list[StepRecord] = []
-    for step in range(steps):
-        token = sample(logits, _GREEDY, seed=None, step=step)
-        records.append(_record(step, logits, token, top, keep_logits))
-        if step < steps - 1:
-            logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
-    return records
+    run = greedy_decode(model, prompt_ids, steps, keep_logits=True)
+    return [_record(step, logits, token, top, keep_logits)
+            for step, (token, logits) in enumerate(zip(run.token_ids, run.logits))]
 
 
 def step_logits(model, prompt_ids: Sequence[int], output_ids: Sequence[int], step: int) -> torch.Tensor:

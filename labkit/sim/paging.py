@@ -284,19 +284,9 @@ def preemption_trace(model, prompts: list, params, kv_tokens: int, block_size: i
 def contiguous_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens from a plain loop over the model's contiguous KVCache (one sequence,
     no EOS stop): the reference the paged engine must match."""
-    import torch
+    from labkit.engine.loop import greedy_decode
 
-    cache = model.new_cache(1, len(prompt_ids) + max_tokens)
-    out = []
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[0, -1]
-        for _ in range(max_tokens):
-            token = int(logits.argmax())
-            out.append(token)
-            if len(out) == max_tokens:
-                break
-            logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
-    return out
+    return greedy_decode(model, prompt_ids, max_tokens).token_ids
 
 
 def paged_matches_contiguous(model, prompts: list[list[int]], max_tokens: int, kv_tokens: int = 4096,
