@@ -67,12 +67,6 @@ def _read_source() -> str:
     return (resources.files("labkit.kernels") / "csrc" / SOURCE_FILE).read_text(encoding="utf-8")
 
 
-def __getattr__(name: str):
-    if name == "SOURCE":  # the C source text, as when it was a string in this module
-        return _read_source()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _build(target: Path, text: str) -> None:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
