@@ -10,7 +10,6 @@ from labkit.engine.interfaces import Backend, KVCacheView, KVPoolLike, ModelShap
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.paged_cache import PagedBatch
 from labkit.experiments.compilation import StaticCache
-from labkit.models.llama import KVCache
 from labkit.sampling import SamplingParams
 
 
