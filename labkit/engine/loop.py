@@ -173,5 +173,6 @@ def greedy_decode(model, prompt_ids: list[int], new_tokens: int, *, step: Callab
                   keep_logits: bool = False) -> GreedyRun:
     """Prefill `prompt_ids` into a fresh cache of the model's own kind, then `greedy_continue`."""
     cache = model.new_cache(1, len(prompt_ids) + new_tokens)
-    logits = model(torch.tensor([list(prompt_ids)]), cache=cache, last_only=True)[:, -1]
+    ids = torch.tensor([list(prompt_ids)], device=getattr(model, "device", None))
+    logits = model(ids, cache=cache, last_only=True)[:, -1]
     return greedy_continue(model, cache, logits, new_tokens, step=step, keep_logits=keep_logits)
