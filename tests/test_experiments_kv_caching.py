@@ -12,6 +12,7 @@ from labkit.experiments.kv_caching import (
                                            kv_bytes_per_token,
                                            perturbed_cache_trials,
                                            speedup_curve,
+                                           speedup_trend,
                                            stale_cache_trials,
                                            summarize_trials,
                                            )
@@ -41,6 +42,22 @@ def test_speedup_curve_records(model):
     (rec,) = speedup_curve(model, ids, [(4, 3)], repeats=1, warmup=0)
     assert rec["prompt_tokens"] == 4 and rec["new_tokens"] == 3
     assert rec["speedup"] == pytest.approx(rec["uncached_s"] / rec["cached_s"])
+    assert rec["verdict"] == "too few runs"
+    (rec,) = speedup_curve(model, ids, [(4, 3)], repeats=3, warmup=0)
+    assert rec["speedup_low"] <= rec["speedup"] <= rec["speedup_high"]
+    assert rec["verdict"] in ("faster", "slower", "within the noise")
+
+
+def test_speedup_trend_says_only_what_the_intervals_show():
+    def case(n, speedup, low, high):
+        return {"new_tokens": n, "speedup": speedup, "speedup_low": low, "speedup_high": high}
+
+    apart = [case(16, 1.5, 1.4, 1.6), case(32, 2.2, 2.1, 2.3), case(64, 2.8, 2.7, 2.9)]
+    assert speedup_trend(apart, "new_tokens") == "rises at every step, each interval above the last"
+    close = [case(16, 1.5, 1.4, 1.6), case(32, 1.55, 1.45, 1.65)]
+    assert speedup_trend(close, "new_tokens") == "rises at every step, but neighbouring intervals overlap"
+    broken = apart + [case(128, 0.7, 0.6, 0.8)]  # the corrupt record's shape: a drop at the end
+    assert speedup_trend(broken, "new_tokens") == "does not rise at every step"
 
 
 def test_fill_cache_fills_every_position(model):

@@ -8,10 +8,11 @@ import torch
 
 from labkit.eval import eval_text
 from labkit.kernels.quant import quantize_int4, quantize_int8
-from labkit.experiments.quantization import (decode_runner, greedy_tokens, measure_interleaved,
-                                             paired_difference, teacher_forced_matches, window_scores)
+from labkit.experiments.quantization import (decode_runner, greedy_tokens, paired_difference,
+                                             teacher_forced_matches, window_scores)
 from labkit.models.quantized import (QuantizedLlama, error_over_bound, fake_quantize, gguf_group,
                                      quantize_model, reconstruction_error, storage_rows, stored_bytes)
+from labkit.util.timing import measure_interleaved
 
 PROMPT = "An inference engine takes a trained model and a request, and it must"
 

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from labkit.util.timing import PeakMemory, Timing, measure, num_threads
+from labkit.util.environment import capture
+from labkit.util.timing import PeakMemory, Timing, measure, measure_interleaved, num_threads
 
 
 def test_measure_calls_warmup_plus_repeats():
@@ -66,3 +67,17 @@ def test_peak_memory_of_nothing_is_small():
     with PeakMemory() as peak:
         time.sleep(0.01)
     assert peak.rss_delta_bytes < 32 * 2**20
+
+
+def test_interleaved_timing_takes_turns():
+    calls = []
+    timings = measure_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                  rounds=3, warmup=1, threads=1, note="x")
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert {name: len(t.samples) for name, t in timings.items()} == {"a": 3, "b": 3}
+    assert timings["a"].meta == {"note": "x"} and timings["a"].threads == 1
+
+
+def test_the_environment_record_carries_the_load():
+    load = capture()["cpu"]["load_average"]
+    assert len(load) == 3 and all(x >= 0 for x in load)

@@ -27,9 +27,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from labkit.util.timing import measure
 from labkit.engine.loop import greedy_decode
 from labkit.experiments.naive_generation import generate_naive
+from labkit.util.compare import MIN_SAMPLES, compare
+from labkit.util.timing import measure_interleaved
 
 
 def _ids(tokens: Sequence[int]) -> torch.Tensor:
@@ -91,28 +92,48 @@ def speedup_curve(model, source_ids: Sequence[int], cases: Iterable[tuple[int, i
 
     The prompt of a case is ``source_ids[:prompt_tokens]``. The cached path is
     :func:`generate_cached` (prefill, then one-token steps); the uncached path is
-    :func:`labkit.experiments.naive_generation.generate_naive` (every step re-runs the whole prefix). Both
-    go through :func:`labkit.util.timing.measure`; ``warmup`` untimed calls of both paths
-    are made once, on the first case, before anything is timed (the process is warm after
-    that). Returns one record per case: medians, spreads and ``speedup`` =
-    uncached median / cached median.
+    :func:`labkit.experiments.naive_generation.generate_naive` (every step re-runs the whole
+    prefix). The two are timed in turns (:func:`labkit.util.timing.measure_interleaved`), so a
+    slow spell of the machine falls on both; ``warmup`` untimed calls of both paths are made
+    once, on the first case. Returns one record per case: medians, spreads, ``speedup`` =
+    uncached median / cached median and, with at least three repeats, its bootstrap interval
+    (``speedup_low``, ``speedup_high``) and ``verdict`` (:func:`labkit.util.compare.compare`).
     """
     records = []
     for index, (prompt_tokens, new_tokens) in enumerate(cases):
         if prompt_tokens > len(source_ids):
             raise ValueError(f"source has {len(source_ids)} tokens, not {prompt_tokens}")
         prompt = [int(t) for t in source_ids[:prompt_tokens]]
-        ahead = warmup if index == 0 else 0
-        cached = measure(lambda: generate_cached(model, prompt, new_tokens), name="cached",
-                         repeats=repeats, warmup=ahead)
-        uncached = measure(lambda: generate_naive(model, prompt, new_tokens),
-                           name="uncached", repeats=repeats, warmup=ahead)
-        records.append({"prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-                        "cached_s": cached.median, "uncached_s": uncached.median,
-                        "cached_spread": cached.spread, "uncached_spread": uncached.spread,
-                        "repeats": repeats, "threads": cached.threads,
-                        "speedup": uncached.median / cached.median})
+        timings = measure_interleaved({"cached": lambda: generate_cached(model, prompt, new_tokens),
+                                       "uncached": lambda: generate_naive(model, prompt, new_tokens)},
+                                      rounds=repeats, warmup=warmup if index == 0 else 0)
+        cached, uncached = timings["cached"], timings["uncached"]
+        record = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                  "cached_s": cached.median, "uncached_s": uncached.median,
+                  "cached_spread": cached.spread, "uncached_spread": uncached.spread,
+                  "repeats": repeats, "threads": cached.threads,
+                  "speedup": uncached.median / cached.median,
+                  "speedup_low": float("nan"), "speedup_high": float("nan"), "verdict": "too few runs"}
+        if repeats >= MIN_SAMPLES:
+            c = compare(cached.samples, uncached.samples, name_a="cached", name_b="uncached")
+            record.update(speedup_low=c.low, speedup_high=c.high, verdict=c.verdict)
+        records.append(record)
     return records
+
+
+def speedup_trend(records: Sequence[dict], by: str) -> str:
+    """How the speed-up moves as `by` ("new_tokens" or "prompt_tokens") doubles, in words the
+    intervals support: "rises at every step, each interval above the last", "rises at every
+    step, but neighbouring intervals overlap", or "does not rise at every step"."""
+    rows = sorted(records, key=lambda r: r[by])
+    pairs = list(zip(rows, rows[1:]))
+    if not pairs:
+        return "has a single point"
+    if not all(b["speedup"] > a["speedup"] for a, b in pairs):
+        return "does not rise at every step"
+    if all(b["speedup_low"] > a["speedup_high"] for a, b in pairs):
+        return "rises at every step, each interval above the last"
+    return "rises at every step, but neighbouring intervals overlap"
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32,

@@ -77,25 +77,6 @@ def greedy_agreement(model, prompts: list[list[int]], references: list[list[int]
             "first_divergence": [row.index(False) if False in row else len(row) for row in matches]}
 
 
-def measure_interleaved(runners: dict, rounds: int, warmup: int = 1, threads: int | None = None,
-                        **meta) -> dict:
-    """Time several systems in turns (A, B, C, A, B, C, ...) on `threads` threads, so that a
-    slow spell of a shared machine falls on all of them alike. Every sample is one
-    `measure` call; returns a `Timing` per system with all its samples."""
-    from labkit.util.timing import Timing, measure, num_threads
-
-    with num_threads(threads):
-        for fn in runners.values():
-            for _ in range(warmup):
-                fn()
-        samples = {name: [] for name in runners}
-        for _ in range(rounds):
-            for name, fn in runners.items():
-                samples[name] += measure(fn, name=name, repeats=1, warmup=0).samples
-        used = torch.get_num_threads()
-    return {name: Timing(name, s, warmup, used, dict(meta)) for name, s in samples.items()}
-
-
 def decode_runner(model, prompt_ids: list[int], new_tokens: int):
     """Prefill once; return a function that runs `new_tokens` greedy decode steps from the
     end of the prompt each time it is called (the same steps every call), for timing."""

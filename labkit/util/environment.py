@@ -63,6 +63,9 @@ def cpu_info() -> dict[str, Any]:
         "logical_cores": os.cpu_count(),
         "usable_cores": usable,
         "isa": [flag for flag in _ISA_FLAGS if flag in flags],
+        # Other work on the machine while the record was made: a run taken beside another
+        # timing job is not evidence, and this is how a reader can tell.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 

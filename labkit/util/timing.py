@@ -108,6 +108,23 @@ def measure(fn: Callable[[], Any], *, name: str = "call", repeats: int = 7, warm
     return Timing(name=name, samples=samples, warmup=warmup, threads=used, meta=dict(meta))
 
 
+def measure_interleaved(runners: dict, rounds: int, warmup: int = 1, threads: int | None = None,
+                        **meta) -> dict:
+    """Time several systems in turns (A, B, C, A, B, C, ...) on `threads` threads, so that a
+    slow spell of a shared machine falls on all of them alike. Every sample is one
+    `measure` call; returns a `Timing` per system with all its samples."""
+    with num_threads(threads):
+        for fn in runners.values():
+            for _ in range(warmup):
+                fn()
+        samples = {name: [] for name in runners}
+        for _ in range(rounds):
+            for name, fn in runners.items():
+                samples[name] += measure(fn, name=name, repeats=1, warmup=0).samples
+        used = torch.get_num_threads()
+    return {name: Timing(name, s, warmup, used, dict(meta)) for name, s in samples.items()}
+
+
 def rss_bytes() -> int:
     """Resident set size of this process, in bytes."""
     import psutil
