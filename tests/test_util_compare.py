@@ -48,3 +48,10 @@ def test_seeded_and_refuses_too_few_samples():
         compare([1.0, 1.1], [2.0, 2.1, 2.2])
     with pytest.raises(ValueError):
         compare(a, b, confidence=1.0)
+
+
+def test_phrases_claim_no_more_than_the_interval():
+    fast, slow = samples(1.0, 0.02, 9, 11), samples(2.0, 0.04, 9, 12)
+    assert compare(fast, slow).phrase().startswith(f"{compare(fast, slow).ratio:.2f} times faster (95% interval ")
+    assert compare(slow, fast).phrase().startswith("slower: ")
+    assert compare(fast, samples(1.0, 0.02, 9, 13)).phrase().startswith("no faster beyond the noise (ratio ")

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 from labkit.engine.loop import greedy_continue
 from labkit.models.llama import KVCache, Llama, shallow_copy
+from labkit.util.compare import compare
+from labkit.util.timing import Timing
 
 @dataclasses.dataclass
 class CompileCounter:
@@ -217,6 +219,33 @@ def break_even_steps(compile_s: float, eager_step_s: float, compiled_step_s: flo
     nothing per step)."""
     saved = eager_step_s - compiled_step_s
     return compile_s / saved if saved > 0 else math.inf
+
+
+def compile_verdict(eager: Timing, compiled: Timing, compile_s: float) -> dict:
+    """What the timings of the eager and the compiled step support, in words for the prose:
+    the speed-up eager / compiled with its 95% bootstrap interval (`labkit.util.compare`),
+    and a break-even (compile time over time saved per step) only where the compiled step
+    is faster beyond the noise, given as the range the interval allows, to two significant
+    figures. A difference inside the noise gets no break-even: dividing by a saving that may
+    be zero gives a number that means nothing."""
+    c = compare(compiled.samples, eager.samples, name_a="compiled", name_b="eager")
+    interval = f"95% interval {c.low:.2f}-{c.high:.2f}"
+    if c.verdict == "faster":
+        fewest, most = (compile_s / (compiled.median * (r - 1.0)) for r in (c.high, c.low))
+        speed = f"{c.ratio:.2f} times the speed of the eager step ({interval})"
+        break_even = (f"about {_two_figures(break_even_steps(compile_s, eager.median, compiled.median))} "
+                      f"decode steps (between {_two_figures(fewest)} and {_two_figures(most)} over the interval)")
+    elif c.verdict == "slower":
+        speed = f"only {c.ratio:.2f} times the speed of the eager step ({interval}), that is, slower"
+        break_even = "never reached, because the compiled step was slower"
+    else:
+        speed = f"the speed of the eager step within the noise (ratio {c.ratio:.2f}, {interval})"
+        break_even = "not defined, because the compiled step saved no time beyond the noise"
+    return {"comparison": c, "speed_phrase": speed, "break_even_phrase": break_even}
+
+
+def _two_figures(x: float) -> str:
+    return f"{float(f'{x:.2g}'):,.0f}"
 
 
 # -- the environment lesson -----------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.experiments.compilation import forward_step, greedy_decode, prefill, step_at
-from labkit.util.timing import Timing, measure
+from labkit.util.timing import Timing, measure, measure_interleaved
 from labkit.engine.paged_cache import KVPool, PagedBatch, causal_attention
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
@@ -34,14 +34,15 @@ def matrix_bytes(model) -> int:
 def kernel_steps(model, prompt_ids: list[int], new_tokens: int,
                  repeats: int) -> tuple[dict[str, Timing], dict[str, list[int]]]:
     """For each of `matrix_kernel_models`: the eager decode step at the first generated
-    position (timed), and `new_tokens` greedy tokens (to check that they agree)."""
-    timings, tokens = {}, {}
+    position, the three timed in turns (`measure_interleaved`, `repeats` rounds) so that they
+    share the machine's conditions, and `new_tokens` greedy tokens (to check that they agree)."""
+    steps, tokens = {}, {}
     max_len = len(prompt_ids) + new_tokens
     for name, m in matrix_kernel_models(model).items():
         cache, _ = prefill(m, prompt_ids, False, max_len)
-        timings[name] = measure(step_at(m, forward_step, cache, len(prompt_ids)), repeats=repeats)
+        steps[name] = step_at(m, forward_step, cache, len(prompt_ids))
         tokens[name], _ = greedy_decode(m, forward_step, prompt_ids, new_tokens, static=False)
-    return timings, tokens
+    return measure_interleaved(steps, rounds=repeats, warmup=1), tokens
 
 
 def random_pool(config, batch: int, longest: int, block_size: int = 16, seed: int = 0):

@@ -51,6 +51,17 @@ class Comparison:
     def separated(self) -> bool:
         return self.verdict != "within the noise"
 
+    def phrase(self) -> str:
+        """`a` against `b` in words that claim no more than the interval: "2.31 times faster
+        (95% interval 2.20-2.45)", "slower: 0.80 times the speed (...)", or "no faster beyond
+        the noise (ratio 1.01, 95% interval 0.98-1.04)"."""
+        interval = f"{self.confidence:.0%} interval {self.low:.2f}-{self.high:.2f}"
+        if self.verdict == "faster":
+            return f"{self.ratio:.2f} times faster ({interval})"
+        if self.verdict == "slower":
+            return f"slower: {self.ratio:.2f} times the speed ({interval})"
+        return f"no faster beyond the noise (ratio {self.ratio:.2f}, {interval})"
+
     def interval_text(self, fmt: str = "{:.2f}") -> str:
         """'4.07x (3.95-4.21x, 95% interval)'."""
         return (f"{fmt.format(self.ratio)}x ({fmt.format(self.low)}-{fmt.format(self.high)}x, "
