@@ -154,3 +154,15 @@ def test_reference_phase_times_on_the_cpu():
                                     num_key_value_heads=2)).eval()
     out = phases.reference_phase_times(ref, ids(16), [4, 16], device="cpu", repeats=1, steps=2)
     assert [r["length"] for r in out] == [4, 16] and all(r["decode_s"] > 0 for r in out)
+
+
+def test_schedules_take_turns_and_the_verdict_follows_the_runs(tiny):
+    got = phases.schedules_in_turns(tiny, ids(4), ids(32, seed=2), {"one pass": None, "chunks": 8}, rounds=3,
+                                    short_tokens=6, long_tokens=2, arrive_after=2)
+    for name in ("one pass", "chunks"):
+        assert len(got[name]["ttft_s"]) == len(got[name]["prefill_s"]) == 3
+        assert got[name]["ttft_s"][-1] == phases.long_request_times(got[name]["timeline"])["ttft_s"]
+    assert got["chunks"]["timeline"]["chunk"] == 8 and got["one pass"]["timeline"]["chunk"] is None
+    assert phases.chunking_verdict([1.0, 1.02, 0.98], [2.0, 2.1, 1.9]).startswith("it did not pay")
+    assert phases.chunking_verdict([2.0, 2.1, 1.9], [1.0, 1.02, 0.98]).startswith("it paid")
+    assert "within the noise" in phases.chunking_verdict([1.0, 1.2, 0.9], [1.05, 0.92, 1.15])

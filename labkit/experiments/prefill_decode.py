@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from labkit.util.compare import compare
 from labkit.util.timing import measure
 
 PREFILL, DECODE = "prefill", "decode"
@@ -339,6 +340,41 @@ def two_request_timeline(model, short_prompt: Sequence[int], long_prompt: Sequen
     return out
 
 
+def long_request_times(timeline: dict) -> dict:
+    """The long request's time to first token (from its arrival) and the sum of its prefill
+    passes, in seconds."""
+    return {"ttft_s": timeline["long"]["token_times"][0] - timeline["arrival"],
+            "prefill_s": sum(d for name, kind, _, d, _ in timeline["passes"] if name == "long" and kind == PREFILL)}
+
+
+def schedules_in_turns(model, short_prompt: Sequence[int], long_prompt: Sequence[int],
+                       schedules: dict[str, int | None], rounds: int, **kwargs) -> dict:
+    """Run `two_request_timeline` for each schedule (name -> chunk, None for one pass),
+    `rounds` times in turns (A, B, A, B, ...), so that a slow spell of the machine falls on
+    both. Returns per schedule its last timeline ("timeline") and, from every round, the long
+    request's TTFT and prefill seconds ("ttft_s", "prefill_s": lists)."""
+    out = {name: {"ttft_s": [], "prefill_s": []} for name in schedules}
+    for _ in range(rounds):
+        for name, chunk in schedules.items():
+            timeline = two_request_timeline(model, short_prompt, long_prompt, chunk=chunk, **kwargs)
+            for key, value in long_request_times(timeline).items():
+                out[name][key].append(value)
+            out[name]["timeline"] = timeline
+    return out
+
+
+def chunking_verdict(chunked_ttft: Sequence[float], one_pass_ttft: Sequence[float]) -> str:
+    """Did the long request pay for being prefilled in chunks? In words the runs support
+    (`labkit.util.compare`: the bootstrap interval of the ratio of medians)."""
+    c = compare(chunked_ttft, one_pass_ttft, name_a="chunked", name_b="one pass")
+    interval = f"one-pass / chunked time {c.ratio:.2f}, 95% interval {c.low:.2f}-{c.high:.2f}"
+    if c.verdict == "faster":
+        return f"it did not pay: chunked, its first token came sooner, beyond the noise ({interval})"
+    if c.verdict == "slower":
+        return f"it paid: chunked, its first token came later, beyond the noise ({interval})"
+    return f"its first token came at the same time within the noise ({interval})"
+
+
 def gap_summary(timeline: dict) -> dict:
     """The short request's inter-token gaps (seconds) before the long request arrived,
     while its prompt was being prefilled, and after: median and maximum of each, and the
@@ -432,6 +468,7 @@ def reference_phase_times(ref, ids: Sequence[int], lengths: Sequence[int], *,
 __all__ = [
     "PREFILL", "DECODE", "eval_prompt_ids", "greedy", "default_schedule", "ttft_once",
     "ttft_curve", "loglog_slopes", "fit_linear_quadratic", "decode_curve", "split_phases",
-    "phase_shares", "chunked_prefill", "two_request_timeline", "gap_summary",
+    "phase_shares", "chunked_prefill", "two_request_timeline", "long_request_times", "schedules_in_turns",
+    "chunking_verdict", "gap_summary",
     "reference_phase_times", "plot_timeline",
 ]
