@@ -368,11 +368,9 @@ def chunking_verdict(chunked_ttft: Sequence[float], one_pass_ttft: Sequence[floa
     (`labkit.util.compare`: the bootstrap interval of the ratio of medians)."""
     c = compare(chunked_ttft, one_pass_ttft, name_a="chunked", name_b="one pass")
     interval = f"one-pass / chunked time {c.ratio:.2f}, 95% interval {c.low:.2f}-{c.high:.2f}"
-    if c.verdict == "faster":
-        return f"it did not pay: chunked, its first token came sooner, beyond the noise ({interval})"
-    if c.verdict == "slower":
-        return f"it paid: chunked, its first token came later, beyond the noise ({interval})"
-    return f"its first token came at the same time within the noise ({interval})"
+    words = {"faster": "it did not pay: chunked, its first token came sooner, beyond the noise",
+             "slower": "it paid: chunked, its first token came later, beyond the noise"}
+    return f"{words.get(c.verdict, 'its first token came at the same time within the noise')} ({interval})"
 
 
 def gap_summary(timeline: dict) -> dict:
