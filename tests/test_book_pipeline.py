@@ -74,9 +74,9 @@ def test_install_cell_comes_from_config():
     config = yaml.safe_load((REPO / "_config.yml").read_text())
     url = config["repository"]["url"]
     assert prof.repository_url(REPO) == url.rstrip("/")
-    source = prof.install_cell_source(url)
+    source = prof.install_cell_source(url, config["repository"]["branch"])
     assert "import labkit" in source and "except ImportError:" in source
-    assert f'%pip install -q "labkit[book] @ git+{url}"' in source
+    assert f'%pip install -q "labkit[colab] @ git+{url}@{config["repository"]["branch"]}"' in source
     assert prof.is_install_cell(source)
     with pytest.raises(ValueError):
         prof.install_cell_source("not a url")
@@ -119,7 +119,7 @@ def test_results_write_metrics_json(monkeypatch, tmp_path):
     ax.plot([0, 1], [0, 1])
     assert res.savefig(fig, "line") is None
     df = pd.DataFrame({"a": [1, 2]})
-    assert res.table(df, "tbl") is df
+    assert res.table(df, "tbl").equals(df)
     path = res.write()
 
     assert path == tmp_path / "_ci" / "ch01" / "metrics.json"
@@ -203,7 +203,7 @@ def test_chapter_files_are_named_chNN_slug():
 
 @pytest.mark.parametrize("md_path", SOURCES, ids=_ids(SOURCES))
 def test_first_code_cell_is_install_cell(md_path):
-    expected = prof.install_cell_source(prof.repository_url(REPO))
+    expected = prof.install_cell_source(prof.repository_url(REPO), prof.repository_branch(REPO))
     for nb in (runner.read_source(md_path), runner.read_notebook(md_path.with_suffix(".ipynb"))):
         first = next(c for c in nb.cells if c.cell_type == "code")
         assert first.source == expected, "run labkit.book.runner.sync_install_cells()"
@@ -223,6 +223,33 @@ def test_parameters_cell_defaults_to_ci(md_path):
     cell = runner.parameters_cell(runner.read_source(md_path))
     assert cell is not None, "a code cell tagged `parameters` is missing"
     assert _profile_default(cell.source) == "ci"
+    assert cell.source == prof.PARAMETERS_SOURCE, "run labkit.book.runner.sync_install_cells()"
+
+
+def test_colab_extra_is_pinned_to_the_tested_versions():
+    """The install cell's extra pins each library to the version in constraints.txt, and
+    leaves out the book-building tools."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = {}
+    for line in (REPO / "requirements" / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    assert extras[prof.INSTALL_EXTRA], "the colab extra is empty"
+    for requirement in extras[prof.INSTALL_EXTRA]:
+        name, version = requirement.split("==")
+        assert pins[name.lower()] == version, f"{requirement} differs from constraints.txt"
+    names = {r.split("==")[0].lower() for r in extras[prof.INSTALL_EXTRA]}
+    assert not names & {"jupyter-book", "pytest", "nbval", "torch"}
+    assert f"labkit[{prof.INSTALL_EXTRA}]" in prof.install_cell_source("https://x.org/r", "main")
+
+
+@pytest.mark.parametrize("md_path", SOURCES, ids=_ids(SOURCES))
+def test_setup_shows_which_profile_made_the_numbers(md_path):
+    text = md_path.read_text(encoding="utf-8")
+    assert "show_profile_note(profile)" in text
 
 
 @pytest.mark.parametrize("ipynb_path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
@@ -255,7 +282,8 @@ def test_sync_install_cells_and_pair(tmp_path):
     assert changed == [md]
     assert runner.sync_install_cells(root) == []  # idempotent
     first = next(c for c in runner.read_source(md).cells if c.cell_type == "code")
-    assert first.source == prof.install_cell_source(prof.repository_url(root))
+    assert first.source == prof.install_cell_source(prof.repository_url(root),
+                                                    prof.repository_branch(root))
     assert first.metadata["tags"] == ["remove-cell"]
     runner.sync_pair(md)
     assert runner.pair_in_sync(md)

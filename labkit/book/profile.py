@@ -124,23 +124,65 @@ def repository_branch(root: str | os.PathLike | None = None) -> str:
     return str((config.get("repository") or {}).get("branch") or "main")
 
 
-def install_cell_source(repo_url: str) -> str:
+INSTALL_EXTRA = "colab"
+
+
+def install_cell_source(repo_url: str, branch: str = "main") -> str:
     """The text of the first code cell of every notebook.
 
     Where ``labkit`` is importable (a clone with ``make env``, the tests, papermill) the cell
-    does nothing. Where it is not (a fresh Colab runtime) it installs ``labkit`` with the
-    book extras from the repository with ``%pip``. The cell is tagged ``remove-cell``, so
-    the rendered book does not show it.
+    does nothing. Where it is not (a fresh Colab runtime) it installs ``labkit`` from the
+    book's repository at ``branch`` with the ``colab`` extra: the few libraries the chapters
+    import, pinned to the versions the book was run with, and not the book-building tools.
+    The cell is tagged ``remove-cell``, so the rendered book does not show it.
     """
     if not re.match(r"^(https?|ssh|git)://", repo_url):
         raise ValueError(f"repository url must be an absolute URL, got {repo_url!r}")
+    if not re.match(r"^[A-Za-z0-9._/-]+$", branch):
+        raise ValueError(f"bad branch name {branch!r}")
     return (
         f"{INSTALL_MARKER}: does nothing where labkit is installed; on Colab it installs it.\n"
         "try:\n"
         "    import labkit\n"
         "except ImportError:\n"
-        f'    %pip install -q "labkit[book] @ git+{repo_url.rstrip("/")}"'
+        f'    %pip install -q "labkit[{INSTALL_EXTRA}] @ git+{repo_url.rstrip("/")}@{branch}"'
     )
+
+
+PARAMETERS_SOURCE = (
+    "# The sizes this notebook runs at: \"ci\" (small; about a minute on 2 CPU cores) or\n"
+    "# \"full\" (the sizes the text discusses; every number in the book comes from it).\n"
+    "# Set \"full\" and run all cells to reproduce the book's numbers on your machine.\n"
+    'profile = "ci"'
+)
+
+
+def profile_note(profile: str) -> str:
+    """One sentence (Markdown) saying which profile produced the page's numbers and how
+    to get the other one; chapters display it under their setup cell."""
+    name = current_profile(profile)
+    if name == "full":
+        return ("These results were produced with the **full** profile, the sizes the text "
+                "discusses. In a notebook, the cell at the top sets `profile`; "
+                "`labkit book run --profile full` re-runs the chapter from a shell.")
+    return ("These results were produced with the **ci** profile: small sizes, so numbers "
+            "differ from the book's. Set `profile = \"full\"` in the cell at the top (or run "
+            "`labkit book run --profile full`) to reproduce the book's sizes.")
+
+
+def show_profile_note(profile: str) -> None:
+    """Display :func:`profile_note` as Markdown (in a notebook; printed elsewhere)."""
+    text = profile_note(profile)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+    else:
+        display(Markdown(text))
 
 
 def is_install_cell(source: str) -> bool:
@@ -161,4 +203,8 @@ __all__ = [
     "repository_branch",
     "install_cell_source",
     "is_install_cell",
+    "INSTALL_EXTRA",
+    "PARAMETERS_SOURCE",
+    "profile_note",
+    "show_profile_note",
 ]

@@ -180,13 +180,17 @@ class Results:
                 self.figures.append(rel)
 
     def table(self, df, name: str, *, index: bool = False):
-        """Write a pandas DataFrame as ``name.csv`` and return it (so a cell can display it)."""
+        """Write a pandas DataFrame as ``name.csv`` and return it as a
+        :class:`~labkit.book.tables.BookTable`, so the last line of a cell shows it with
+        readable headers and without the 0..n-1 row numbers (the CSV keeps the names)."""
+        from labkit.book.tables import book_table
+
         self._check_name(name)
         path = self.dir / f"{name}.csv"
         df.to_csv(path, index=index)
         if path.name not in self.tables:
             self.tables.append(path.name)
-        return df
+        return book_table(df)
 
     # numbers ---------------------------------------------------------------------------
 

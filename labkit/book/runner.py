@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from labkit.book.profile import (
+    PARAMETERS_SOURCE,
     current_profile,
     find_repo_root,
     install_cell_source,
     is_install_cell,
+    repository_branch,
     repository_url,
 )
 
@@ -290,23 +292,28 @@ def pair_in_sync(md_path: str | Path) -> bool:
 def sync_install_cells(root: str | Path | None = None,
                        chapters: Iterable[str | int] | None = None) -> list[Path]:
     """Make the first code cell of every chapter source the install cell (generated from
-    ``_config.yml``, tagged ``remove-cell``), then sync its ``.ipynb``. An existing install
+    ``_config.yml``, tagged ``remove-cell``) and its parameters cell the commented profile
+    switch (:data:`~labkit.book.profile.PARAMETERS_SOURCE`), then sync its ``.ipynb``. An existing install
     cell is replaced, otherwise one is inserted before the first code cell. Returns the
     sources that changed."""
     import jupytext
     from nbformat.v4 import new_code_cell
 
     root = _root(root)
-    wanted = install_cell_source(repository_url(root))
+    wanted = install_cell_source(repository_url(root), repository_branch(root))
     changed: list[Path] = []
     for md_path in resolve_chapters(chapters, root):
         notebook = read_source(md_path)
+        parameters = parameters_cell(notebook)
+        parameters_changed = parameters is not None and parameters.source != PARAMETERS_SOURCE
+        if parameters_changed:
+            parameters.source = PARAMETERS_SOURCE
         code = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code"]
         first = code[0] if code else None
         if first is not None and is_install_cell(notebook.cells[first].source):
             cell = notebook.cells[first]
             tags = list(cell.metadata.get("tags", []))
-            if cell.source == wanted and INSTALL_TAG in tags:
+            if cell.source == wanted and INSTALL_TAG in tags and not parameters_changed:
                 continue
             cell.source = wanted
             if INSTALL_TAG not in tags:
