@@ -221,3 +221,4 @@ def test_baseline_throughput_fields(model):
     assert row["threads"] == 1 and row["new_tokens"] == 3 and row["repeats"] == 1
     assert row["request_s"] > 0 and row["prefill_ms"] > 0 and row["decode_tokens_per_s"] > 0
     assert row["tokens_per_s"] == pytest.approx(3 / row["request_s"])
+    assert all(len(row[f"{stage}_samples_s"]) == 1 for stage in checks.BASELINE_STAGES)

@@ -195,3 +195,13 @@ def test_gguf_raw_rows_are_the_permuted_form_of_our_weights():
         assert raw[key].shape == state[key].shape
         assert not torch.equal(raw[key], state[key])
         assert torch.equal(comp.permute_rope_rows(state[key], heads), raw[key])
+
+
+def test_llama_decode_bytes():
+    out = comp.llama_decode_bytes(TINY, 10)
+    assert out["weights"] == 4 * sum(comp.llama_component_params(TINY).values())
+    assert out["kv_cache"] == 2 * TINY.num_layers * 10 * TINY.num_kv_heads * TINY.head_dim * 4
+    assert comp.llama_decode_bytes(TINY, 0, bytes_per_value=2)["kv_cache"] == 0
+    # SmolLM2 at position 512 in float32: 538 MB of weights, 23.6 MB of keys and values
+    smol = comp.llama_decode_bytes(SMOLLM2, 512)
+    assert round(smol["weights"] / 1e6) == 538 and round(smol["kv_cache"] / 1e5) == 236

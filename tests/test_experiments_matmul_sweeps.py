@@ -147,6 +147,18 @@ def test_compare_threads_pools_rounds_and_gives_speedups(monkeypatch):
     assert [(r["name"], r["threads"], r["repeats"]) for r in records] == [
         ("big", 1, 6), ("big", 2, 6), ("small", 1, 6), ("small", 2, 6)]
     assert [r["speedup"] for r in records] == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    # constant samples: the bootstrap interval of the speedup is the speedup itself
+    assert [r["speedup_low"] for r in records] == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    assert [r["speedup_high"] for r in records] == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    assert sweeps.slower_phrase(records) == "none of the 2 operations"
+
+
+def test_slower_phrase_names_only_intervals_below_one():
+    records = [{"name": "a", "speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0},
+               {"name": "a", "speedup": 0.95, "speedup_low": 0.93, "speedup_high": 0.97},
+               {"name": "b", "speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0},
+               {"name": "b", "speedup": 0.99, "speedup_low": 0.96, "speedup_high": 1.02}]
+    assert sweeps.slower_phrase(records) == "a (0.95x, 95% interval 0.93-0.97x)"
 
 
 def test_model_shapes_are_smollm2s():
@@ -209,3 +221,61 @@ def test_cpu_caches_reads_sysfs(tmp_path):
         (folder / "size").write_text(f"{size}\n")
     assert sweeps.cpu_caches(root=str(tmp_path)) == {"L1": 32 * 2**10, "L2": 2**20, "L3": 32 * 2**20}
     assert sweeps.cpu_caches(root=str(tmp_path / "missing")) == {}
+
+
+# -- find_step: a change of level in a timeline ------------------------------------------------
+
+def _jitter(n, level, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [level * (1 + 0.01 * float(v)) for v in torch.rand(n, generator=g)]
+
+
+def test_find_step_finds_a_late_step_that_halves_miss():
+    # 250 calls at 320 us, then 50 at 170 us: both halves' medians sit on the first level
+    samples = [9e-4] + _jitter(249, 320e-6, 0) + _jitter(50, 170e-6, 1)
+    step = sweeps.find_step(samples)
+    assert step.found
+    assert step.at == 251
+    assert step.before_s == pytest.approx(320e-6, rel=0.02)
+    assert step.after_s == pytest.approx(170e-6, rel=0.02)
+    assert step.high < 1 / 1.2 and step.low <= step.ratio <= step.high
+    assert sweeps.step_phrase(step).startswith("yes: from call 251 on, the calls took 17")
+    assert sweeps.level_phrase(step, 340e-6, "the reference") == (
+        f"{step.before_s / 340e-6:.2f}x the reference before the step and "
+        f"{step.after_s / 340e-6:.2f}x after it")
+
+
+def test_find_step_ignores_the_first_call_and_a_flat_run():
+    samples = [5e-3] + _jitter(99, 300e-6, 2)  # a slow first call, then one level
+    step = sweeps.find_step(samples)
+    assert not step.found
+    assert 2 <= step.at <= 100
+    assert sweeps.step_phrase(step).startswith("no: the largest change of level (at call ")
+    assert sweeps.level_phrase(step, 300e-6, "x") == f"{step.median_s / 300e-6:.2f}x x throughout"
+
+
+def test_find_step_needs_a_change_beyond_min_change():
+    # a 10% change is beyond the noise here but is not a step at min_change 0.2 ...
+    samples = [1e-3] + _jitter(60, 100e-6, 3) + _jitter(60, 110e-6, 4)
+    step = sweeps.find_step(samples)
+    assert step.low > 1.0 and not step.found
+    # ... and is one at min_change 0.05; a step up reads as a ratio above 1
+    step = sweeps.find_step(samples, min_change=0.05)
+    assert step.found and step.at == 62 and step.ratio == pytest.approx(1.1, rel=0.02)
+
+
+def test_find_step_keeps_a_tenth_on_each_side_and_refuses_short_series():
+    samples = [1e-3] + _jitter(95, 100e-6, 5) + _jitter(4, 300e-6, 6)  # 4 odd calls at the end
+    step = sweeps.find_step(samples)
+    assert step.at <= 1 + 99 - 10 + 1  # the after side keeps at least 10 calls
+    with pytest.raises(ValueError):
+        sweeps.find_step([1e-3] * 6)
+
+
+def test_ratios_in_phrases_keep_small_values_readable():
+    assert sweeps._times(0.004) == "0.004x"
+    assert sweeps._times(0.54) == "0.54x"
+    assert sweeps._times(162.0) == "162x"
+    records = [{"name": "a", "speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0},
+               {"name": "a", "speedup": 0.004, "speedup_low": 0.003, "speedup_high": 0.005}]
+    assert sweeps.slower_phrase(records) == "a (0.004x, 95% interval 0.003-0.005x)"

@@ -135,3 +135,47 @@ def test_flop_count_of_the_llama_config(model):
         2 * 2 * c.num_heads * c.head_dim * (1 + 2 + 3) * c.num_layers
     with pytest.raises(TypeError):
         pass_flops(object(), 1)
+
+
+def test_time_in_turns_runs_in_rounds_and_logs_every_call():
+    from labkit.experiments.naive_generation import time_in_turns
+
+    calls = []
+    runners = {"long": lambda: calls.append("long") or 1, "check": lambda: calls.append("check") or 2}
+    got = time_in_turns(runners, rounds=2, checks_per_round=3, check="check", warmup=1)
+    assert calls == ["long", "check"] + (["long"] + ["check"] * 3) * 2  # warm-up, then rounds
+    assert len(got["timings"]["long"].samples) == 2 and len(got["timings"]["check"].samples) == 6
+    assert got["results"]["check"] == [2] * 6
+    assert [row["what"] for row in got["log"]] == (["long"] + ["check"] * 3) * 2
+    assert [row["round"] for row in got["log"]] == [0] * 4 + [1] * 4
+    assert all(row["wall_s"] > 0 and row["cpu_share"] >= 0 for row in got["log"])
+    with pytest.raises(ValueError):
+        time_in_turns(runners, rounds=1, check="missing")
+    with pytest.raises(ValueError):
+        time_in_turns(runners, rounds=0)
+
+
+def test_slowest_reading_tells_a_held_off_call_from_a_busy_one():
+    from labkit.experiments.naive_generation import slowest_reading
+
+    def log(walls, shares):
+        return [{"what": "pass", "wall_s": w, "cpu_share": s} for w, s in zip(walls, shares)]
+
+    assert "median stands for every call" in slowest_reading(
+        log([1.0, 1.1, 1.2], [0.9, 0.9, 0.9]), "pass")
+    held = slowest_reading(log([1.0, 1.0, 1.0, 10.0], [0.95, 0.95, 0.95, 0.1]), "pass")
+    assert "held off the CPU" in held and "10.0 times" in held
+    busy = slowest_reading(log([1.0, 1.0, 1.0, 3.0], [0.95, 0.95, 0.95, 0.9]), "pass")
+    assert "spent computing" in busy
+    with pytest.raises(ValueError):
+        slowest_reading([], "pass")
+
+
+def test_against_prediction():
+    from labkit.experiments.naive_generation import against_prediction
+
+    assert against_prediction(29.0, 31.0, 27.5) == "above"
+    assert against_prediction(20.0, 25.0, 27.5) == "below"
+    assert against_prediction(26.0, 29.0, 27.5) == "within the interval of"
+    with pytest.raises(ValueError):
+        against_prediction(2.0, 1.0, 1.5)

@@ -191,3 +191,20 @@ def test_plot_rule_effects_draws_one_panel_per_rule():
     with pytest.raises(ValueError):
         plot_rule_effects(axes[0], effects, [0], ["a"])
     plt.close(fig)
+
+
+def test_lead_phrase_picks_the_verb_from_the_sign():
+    from labkit.experiments.next_token import lead_phrase
+
+    assert lead_phrase(0.125) == "leads the runner-up by 0.125 logits"
+    assert lead_phrase(-0.125) == "trails the runner-up by 0.125 logits"
+    assert lead_phrase(0.0) == lead_phrase(-0.0001) == "ties with the runner-up"
+    assert lead_phrase(-3.5) == "trails the runner-up by 3.500 logits"
+
+
+def test_same_choice_phrase():
+    from labkit.experiments.next_token import same_choice_phrase
+
+    assert same_choice_phrase(5, 5) == "the same token as in float32"
+    assert same_choice_phrase(4, 5) == "not the token float32 chose"
+    assert same_choice_phrase(4, 5, reference_name="fp16") == "not the token fp16 chose"

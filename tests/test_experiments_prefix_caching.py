@@ -111,3 +111,17 @@ def test_engine_experiments_on_a_tiny_model():
                      scoped=True)
     assert s.right_cached == [0] * 3
     assert set(s.to_dict()) >= {"pairwise_wins", "prob_wrong_slower"}
+
+
+def test_prob_slower_interval_and_reading():
+    from labkit.experiments.prefix_caching import coin_toss_reading, prob_slower_interval
+
+    rng = random.Random(1)
+    same = [rng.gauss(1.0, 0.1) for _ in range(40)], [rng.gauss(1.0, 0.1) for _ in range(40)]
+    low, high = prob_slower_interval(*same)
+    assert low < 0.5 < high and coin_toss_reading(low, high) == "consistent with a coin toss"
+    apart = [2.0 + 0.01 * i for i in range(10)], [1.0 + 0.01 * i for i in range(10)]
+    assert prob_slower_interval(*apart) == (1.0, 1.0)
+    assert coin_toss_reading(1.0, 1.0).startswith("above a coin toss")
+    assert coin_toss_reading(0.1, 0.4).startswith("below a coin toss")
+    assert prob_slower_interval(*same) == (low, high)  # seeded

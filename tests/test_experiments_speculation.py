@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from labkit.experiments.speculation import (RULES, add_predictions, break_even_alpha, chapter_sweep,
-                                            chi_square_pvalue, draft_agreement, first_token_draws,
+from labkit.experiments.speculation import (RULES, CountedModule, add_predictions, break_even_alpha,
+                                            break_even_text, chapter_sweep, chi_square_pvalue,
+                                            draft_agreement, draft_cost_per_guess, first_token_draws,
                                             interleaved, make_drafter, overlap, pass_costs,
-                                            predicted_speedup, prose_passages, speculation_sweep)
+                                            pooled_speedups, predicted_speedup, prose_passages,
+                                            speculation_sweep)
 from labkit.engine.speculative import LayerSkipDrafter, NgramDrafter
 
 
@@ -132,3 +134,55 @@ def test_chi_square_folds_small_bins():
     counts = torch.tensor([50.0, 49.0, 1.0, 0.0])
     pvalue, bins = chi_square_pvalue(counts, probs)
     assert bins == 2 and pvalue > 0.5  # the two rare tokens: one rest bin, too small, folded
+
+
+def test_break_even_text():
+    assert break_even_text(float("nan")).startswith("cannot break even")
+    assert break_even_text(0.0) == "pays even if every guess fails"
+    assert break_even_text(0.284) == "breaks even at an acceptance rate of 0.28"
+
+
+def test_layerskip_drafter_counts_its_passes(tiny):
+    from labkit.engine.speculative import speculative_generate
+    from labkit.sampling import SamplingParams
+
+    prompt = [3, 4, 5, 6, 3, 4]
+    d = make_drafter(tiny, "layerskip-3")  # all layers: every guess is accepted
+    assert isinstance(d.model, CountedModule)
+    tokens, stats = speculative_generate(tiny, prompt, SamplingParams(temperature=0.0, max_tokens=9),
+                                         d, k=2)
+    assert stats.acceptance_rate == 1.0
+    # 3 verifications of 2 guesses, each followed by a catch-up pass over the last guess
+    # (except the last verification, after which generation stops); plus the prompt's prefill
+    assert stats.proposed == 6 and d.model.passes == 1 + 6 + 2
+
+
+def test_sweep_records_samples_and_draft_passes(tiny):
+    prompts = {"rep": [[5, 6, 7, 8] * 4, [9, 1, 9, 1, 9, 1]]}
+    rows = speculation_sweep(tiny, prompts, [("ngram", 2), ("layerskip-3", 2)], new_tokens=8,
+                             rounds=3, plain=plain_greedy)
+    assert all(len(r["samples_s"]) == 3 for r in rows)
+    skip = [r for r in rows if r["drafter"] == "layerskip-3"]
+    assert all(r["draft_passes"] > r["proposed"] for r in skip)  # full depth: catch-ups
+    assert all(r["draft_passes"] == 0 for r in rows if r["drafter"] != "layerskip-3")
+    costs = draft_cost_per_guess(rows, step_s=1.0)
+    assert len(costs) == 2 and all(c["passes_per_guess"] > 1 for c in costs)
+    pooled = {(p["drafter"], p["k"]): p for p in pooled_speedups(rows)}
+    assert set(pooled) == {("ngram", 2), ("layerskip-3", 2)}
+    assert all(p["prompts"] == 2 and p["low_x"] <= p["speedup_x"] <= p["high_x"] for p in pooled.values())
+    assert all(p["verdict"] in ("faster", "slower", "within the noise") for p in pooled.values())
+
+
+def test_pooled_speedups_sum_rounds_over_prompts():
+    def rec(prompt, drafter, samples):
+        return {"text_type": "t", "prompt": prompt, "drafter": drafter, "k": 0 if drafter == "none" else 2,
+                "samples_s": samples, "proposed": 4, "accepted": 2, "verifications": 4,
+                "draft_share": 0.0}
+
+    rows = [rec(0, "none", [1.0, 1.1, 0.9, 1.0]), rec(1, "none", [2.0, 2.0, 2.1, 1.9]),
+            rec(0, "ngram", [0.5, 0.55, 0.45, 0.5]), rec(1, "ngram", [1.0, 1.0, 1.05, 0.95])]
+    (p,) = pooled_speedups(rows)
+    assert p["speedup_x"] == pytest.approx(2.0) and p["verdict"] == "faster"
+    assert p["relation"] == "faster than" and p["acceptance_rate"] == 0.5
+    noisy = [rec(0, "none", [1.0, 1.2, 0.8]), rec(0, "ngram", [1.1, 0.9, 1.0])]
+    assert pooled_speedups(noisy)[0]["verdict"] == "within the noise"

@@ -180,3 +180,33 @@ def test_frames_ratios_and_plots():
     plot_block_sizes(a, b, df[df["method"] == "naive"])
     assert [t.get_text() for t in a.get_xticklabels()] == ["32", "64"]
     plt.close(fig)
+
+
+def test_compare_at_uses_every_timed_call():
+    import pandas as pd
+
+    from labkit.experiments.blockwise_attention import compare_at
+
+    rows = compare_methods({"naive": naive_attention, "blockwise": blockwise_attention}, [64],
+                           heads=4, kv_heads=2, head_dim=16, repeats=3, warmup=1, threads=1)
+    assert all(len(r["samples_s"]) == 3 for r in rows)
+    df = pd.DataFrame([{"method": "a", "length": 8, "samples_s": [1.0, 1.1, 1.2]},
+                       {"method": "b", "length": 8, "samples_s": [3.0, 3.1, 3.2]}])
+    c = compare_at(df, "a", "b", 8)
+    assert c.verdict == "faster" and 2.5 < c.ratio < 3.0
+
+
+def test_panel_labels_sit_above_the_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from labkit.util.figures import panel_labels
+
+    fig, axes = plt.subplots(1, 2)
+    panel_labels(axes)
+    texts = [[t.get_text() for t in ax.texts] for ax in axes]
+    assert texts == [["(a)"], ["(b)"]]
+    assert all(t.get_position()[1] > 1 for ax in axes for t in ax.texts)
+    plt.close(fig)

@@ -6,7 +6,8 @@ import torch
 from labkit.models.gguf_file import LlamaConfig
 from labkit.sim.roofline import Machine, predict
 from labkit.sim.roofline_ops import (bmm, catalogue, copy, decode_step_ops, decode_step_timer,
-                                     elementwise, gather, gemm, measure_catalogue,
+                                     elementwise, gather, gemm, gemv_from_memory,
+                                     measure_catalogue, measure_decode_steps,
                                      predict_decode_step, rmsnorm, smollm2_weight_shapes,
                                      softmax)
 
@@ -47,11 +48,31 @@ def test_full_catalogue_has_at_least_50_distinct_ops():
 
 
 def test_measure_catalogue_rows():
-    rows = measure_catalogue(catalogue("tiny"), MACHINE, repeats=2, warmup=1)
-    assert len(rows) == 9
+    rows = measure_catalogue(catalogue("tiny"), MACHINE, repeats=2, warmup=1, llc_bytes=4096)
+    assert len(rows) == 10
     for r in rows:
         assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
-    assert len(measure_catalogue(catalogue("tiny"), MACHINE, repeats=1, max_bytes=300)) < 9
+        assert 0 < r["best_s"] <= r["measured_s"]
+    assert [r["in_cache"] for r in rows] == [True] * 9 + [False]
+    assert len(measure_catalogue(catalogue("tiny"), MACHINE, repeats=1, max_bytes=300)) < 10
+
+
+def test_gemv_from_memory_rotates_through_copies_beyond_the_cache():
+    entry = gemv_from_memory(24, 16, "g", llc_bytes=4096)
+    assert entry.op.flops == 2 * 24 * 16 and entry.kind == "gemv from memory"
+    assert entry.footprint_bytes >= 2 * 4096          # the copies together exceed 2x the cache
+    assert entry.footprint_bytes % entry.op.bytes == 0
+    call = entry.make()
+    outs = [call() for _ in range(int(entry.footprint_bytes // entry.op.bytes) + 1)]
+    assert not torch.equal(outs[0], outs[1])          # the next call uses another copy ...
+    torch.testing.assert_close(outs[0], outs[-1])     # ... and the rotation comes back round
+    assert gemm(1, 24, 16).footprint_bytes == gemm(1, 24, 16).op.bytes
+
+
+def test_full_catalogue_has_each_weight_from_memory():
+    ops = catalogue("full", llc_bytes=32 * 2**20)
+    memory = [o for o in ops if o.kind == "gemv from memory"]
+    assert len(memory) == 5 and all(o.footprint_bytes > 2 * 32 * 2**20 for o in memory)
 
 
 def test_decode_step_ops_accounting():
@@ -78,3 +99,14 @@ def test_decode_step_timer_runs_at_fixed_position(model):
     assert a.shape == (3, 1, model.config.vocab_size)
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(a[0], a[2])
+
+
+@pytest.mark.slow
+def test_measure_decode_steps_interleaved(model):
+    ids = model.tokenizer.encode("The capital of France is")
+    machine = Machine(peak_flops=100e9, bandwidth=10e9, overhead=5e-6, threads=2)
+    rows = measure_decode_steps(model, [1, 2], ids, machine, rounds=3, threads=2)
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rounds"] == 3 and r["low_s"] <= r["measured_s"] <= r["high_s"] <= r["max_s"]
+        assert r["ratio_whole"] == pytest.approx(r["measured_s"] / r["whole_step_s"])

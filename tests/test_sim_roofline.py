@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from labkit.sim.roofline import (Machine, bound, elementwise_op, matmul_op, measure_machine,
+from labkit.sim.roofline import (Machine, bound, elementwise_op, last_level_cache_bytes,
+                                 matmul_op, measure_ceilings, measure_machine, parse_cache_size,
                                  predict)
 
 MACHINE = Machine(peak_flops=100e9, bandwidth=10e9, overhead=5e-6, threads=2)
@@ -35,6 +36,24 @@ def test_prediction_is_overhead_plus_the_larger_ceiling():
     assert predict(op, MACHINE) == pytest.approx(5e-6 + op.bytes / 10e9)
 
 
+def test_cache_sizes():
+    assert parse_cache_size("32768K") == 32 * 2**20
+    assert parse_cache_size(" 32 MiB ") == 32 * 2**20
+    assert parse_cache_size("512 KiB") == 512 * 2**10
+    assert parse_cache_size("2M") == 2 * 2**20
+    with pytest.raises(ValueError):
+        parse_cache_size("lots")
+    assert 2**16 <= last_level_cache_bytes() <= 2**34
+
+
+def test_ceilings_are_best_runs():
+    m, rows = measure_ceilings(1, gemm_size=128, stream_mbytes=4, repeats=3)
+    assert {r["ceiling"] for r in rows} == {"peak", "bandwidth", "overhead"}
+    assert m.peak_flops / 1e9 == max(r["value"] for r in rows if r["ceiling"] == "peak")
+    assert m.bandwidth / 1e9 == max(r["value"] for r in rows if r["ceiling"] == "bandwidth")
+    assert sum(r["used"] for r in rows) == 3 and m.threads == 1 and m.device == "cpu"
+
+
 @pytest.mark.slow
 def test_measured_ceilings_are_plausible():
     m = measure_machine(gemm_size=512, stream_mbytes=64)
@@ -44,3 +63,10 @@ def test_measured_ceilings_are_plausible():
     # A large op's prediction is within an order of magnitude of its own ceiling measurement.
     op = matmul_op(512, 512, 512)
     assert predict(op, m) >= op.flops / m.peak_flops
+
+
+def test_relation_word():
+    from labkit.sim.roofline import relation_word
+    assert relation_word(0.5) == "less than"
+    assert relation_word(1.05) == "about the same as"
+    assert relation_word(1.5) == "more than"

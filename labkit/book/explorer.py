@@ -133,14 +133,17 @@ def gemm_prediction(machine: Machine, m: int, n: int, k: int) -> tuple[float, st
 
 
 # -- static figures (matplotlib) for the chapter's roofline ------------------------------------
-KINDS = ("gemm", "gemv", "bmm", "elementwise", "softmax", "rmsnorm", "gather", "copy")
+KINDS = ("gemm", "gemv", "bmm", "elementwise", "softmax", "rmsnorm", "gather", "copy",
+         "gemv from memory")
 
 
 def kind_color(kind: str) -> str:
     """One colour per op kind, the same in every panel (lines keep the style's cycle)."""
     palette = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
-               "#666666")
+               "#666666", "#1f78b4")
     return palette[KINDS.index(kind) % len(palette)] if kind in KINDS else "#000000"
+
+
 def plot_roofline(ax, machines: dict[str, Machine], points=None, *, intensity=(1e-2, 1e3)) -> None:
     """Log-log roofline: attainable FLOP/s = min(peak, intensity x bandwidth) per machine.
 

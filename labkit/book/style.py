@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from labkit.util.figures import panel_labels, plain_log_ticks  # noqa: F401 (re-exported)
 from labkit.util.palette import LINESTYLES, MARKERS, OKABE_ITO  # noqa: F401 (the style's palette)
 
 FIGSIZE = (6.4, 3.6)
@@ -91,4 +92,5 @@ def new_figure(nrows: int = 1, ncols: int = 1, *, width: float | None = None,
     return plt.subplots(nrows, ncols, figsize=size, **subplot_kw)
 
 
-__all__ = ["use_book_style", "new_figure", "OKABE_ITO", "LINESTYLES", "MARKERS", "FIGSIZE", "BOOK_RC"]
+__all__ = ["use_book_style", "new_figure", "OKABE_ITO", "LINESTYLES", "MARKERS", "FIGSIZE", "BOOK_RC",
+           "panel_labels", "plain_log_ticks"]

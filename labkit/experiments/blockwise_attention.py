@@ -5,7 +5,6 @@ is in :mod:`labkit.kernels.blockwise`."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from contextlib import contextmanager
@@ -13,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from labkit.util.figures import plain_log_ticks
 
 
 @dataclass
@@ -109,8 +110,9 @@ def compare_methods(methods: dict[str, Callable[..., torch.Tensor]], lengths, *,
     A method named ``"naive"`` is skipped (``skipped`` says why) when its predicted peak
     (``naive_peak_model``) exceeds ``memory_fraction`` of the free memory. Returns one flat
     record per (length, method): method, length, dtype, device, median_s, p25_s, p75_s,
-    repeats, threads, peak_bytes, result_bytes, extra_bytes (peak minus the output),
-    score_bytes (one score tensor, the formula), naive_model_bytes, skipped."""
+    repeats, threads, samples_s (every timed call, seconds, for
+    :func:`labkit.util.compare.compare`), peak_bytes, result_bytes, extra_bytes (peak minus
+    the output), score_bytes (one score tensor, the formula), naive_model_bytes, skipped."""
     from labkit.experiments.attention_cost import AttentionShape, attention_inputs, naive_peak_model
     from labkit.util.timing import measure, num_threads, synchronize
     from labkit.kernels.attention import score_tensor_bytes
@@ -127,7 +129,8 @@ def compare_methods(methods: dict[str, Callable[..., torch.Tensor]], lengths, *,
         for name, fn in methods.items():
             record = {"method": name, "length": length, "dtype": str(dtype).replace("torch.", ""),
                       "device": str(device), "median_s": None, "p25_s": None, "p75_s": None,
-                      "repeats": 0, "threads": None, "peak_bytes": None, "result_bytes": None,
+                      "repeats": 0, "threads": None, "samples_s": [], "peak_bytes": None,
+                      "result_bytes": None,
                       "extra_bytes": None,
                       "score_bytes": score_tensor_bytes(batch, heads, length, length, dtype),
                       "naive_model_bytes": naive_model, "skipped": None}
@@ -158,6 +161,7 @@ def compare_methods(methods: dict[str, Callable[..., torch.Tensor]], lengths, *,
                              device=device if on_cuda else None)
             record.update(median_s=timing.median, p25_s=timing.quantile(0.25),
                           p75_s=timing.quantile(0.75), repeats=len(timing.samples),
+                          samples_s=list(timing.samples),
                           threads=timing.threads, peak_bytes=peak, result_bytes=result,
                           extra_bytes=peak - result)
         del q, k, v
@@ -178,6 +182,19 @@ def records_frame(records):
     return df
 
 
+def compare_at(df, a: str, b: str, length: int):
+    """:func:`labkit.util.compare.compare` of method ``a`` against method ``b`` at one
+    ``length``, from the ``samples_s`` of :func:`compare_methods` records in ``df``: the
+    ratio is median(b) / median(a), so above 1 means ``a`` took less time."""
+    from labkit.util.compare import compare
+
+    def samples(method):
+        row = df[(df["method"] == method) & (df["length"] == length)]
+        return list(row["samples_s"].iloc[0])
+
+    return compare(samples(a), samples(b), name_a=a, name_b=b)
+
+
 def time_ratios(df, pairs):
     """For each length, ``median_s`` of one method divided by another's (both from the same
     run): ``pairs`` is a list of ``(numerator, denominator)`` method names. Columns: length,
@@ -190,21 +207,6 @@ def time_ratios(df, pairs):
             if a in times and b in times and times.loc[n, a] == times.loc[n, a]
             and times.loc[n, b] == times.loc[n, b]]
     return pd.DataFrame(rows, columns=["length", "pair", "ratio"])
-
-
-def plain_log_ticks(axis) -> None:
-    """Label a log-scaled matplotlib axis (``ax.xaxis`` or ``ax.yaxis``) with plain numbers
-    (``0.5``, ``2``, ``300``) instead of powers, labelling only the 1s, 2s, 3s and 5s."""
-    from matplotlib.ticker import FuncFormatter
-
-    def label(value, _):
-        if value <= 0:
-            return ""
-        lead = round(value / 10 ** math.floor(math.log10(value)))
-        return f"{value:g}" if lead in (1, 2, 3, 5) else ""
-
-    axis.set_major_formatter(FuncFormatter(label))
-    axis.set_minor_formatter(FuncFormatter(label))
 
 
 def plot_block_sizes(ax_time, ax_memory, df) -> None:
@@ -237,10 +239,21 @@ def plot_peaks(ax, df, formulas=None) -> None:
         group = group.sort_values("length")
         ax.plot(group["length"], group["peak_mib"], marker=MARKERS[i % len(MARKERS)],
                 label=f"{method} (measured)")
-    ax.set_xscale("log", base=2)
+    _length_axis(ax)
     ax.set_yscale("log")
-    ax.set_xlabel("sequence length (tokens)")
+    plain_log_ticks(ax.yaxis)
     ax.set_ylabel("peak allocated (MiB)")
+
+
+def _length_axis(ax) -> None:
+    """A log-2 x axis of sequence lengths, labelled with the lengths themselves."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("sequence length (tokens)")
 
 
 def _plot_series(ax, df, by: str, y: str, ylabel: str) -> None:
@@ -250,15 +263,25 @@ def _plot_series(ax, df, by: str, y: str, ylabel: str) -> None:
     for i, (name, group) in enumerate(df.groupby(by, sort=False)):
         group = group.sort_values("length")
         ax.plot(group["length"], group[y], marker=MARKERS[i % len(MARKERS)], label=name)
-    ax.set_xscale("log", base=2)
+    _length_axis(ax)
     ax.set_yscale("log")
-    ax.set_xlabel("sequence length (tokens)")
+    plain_log_ticks(ax.yaxis)
     ax.set_ylabel(ylabel)
 
 
 def plot_times(ax, df) -> None:
-    """Median time per call (ms) against length, one series per method (log-log)."""
+    """Median time per call (ms) against length, one series per method (log-log), with
+    the interquartile range of the timed calls as error bars where there is one."""
     _plot_series(ax, df, "method", "median_ms", "time per call (ms)")
+    colours = [line.get_color() for line in ax.get_lines()]
+    for colour, (_, group) in zip(colours, df.groupby("method", sort=False)):
+        group = group.sort_values("length")
+        if {"p25_s", "p75_s"} <= set(group):
+            mid = group["median_ms"].to_numpy(float)
+            err = [mid - 1e3 * group["p25_s"].to_numpy(float),
+                   1e3 * group["p75_s"].to_numpy(float) - mid]
+            ax.errorbar(group["length"], mid, yerr=err, fmt="none", ecolor=colour, lw=1,
+                        capsize=2)
 
 
 def plot_ratios(ax, ratios) -> None:
@@ -268,5 +291,6 @@ def plot_ratios(ax, ratios) -> None:
     plain_log_ticks(ax.yaxis)
 
 
-__all__ = ["AllocationPeak", "allocation_peak", "compare_methods", "records_frame", "time_ratios",
-           "plot_peaks", "plot_times", "plot_ratios", "plain_log_ticks", "plot_block_sizes"]
+__all__ = ["AllocationPeak", "allocation_peak", "compare_methods", "compare_at",
+           "records_frame", "time_ratios",
+           "plot_peaks", "plot_times", "plot_ratios", "plot_block_sizes"]

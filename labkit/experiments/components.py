@@ -82,6 +82,17 @@ def llama_component_params(config: LlamaConfig) -> dict[str, int]:
     return params
 
 
+def llama_decode_bytes(config: LlamaConfig, context: int, *, bytes_per_value: int = 4) -> dict[str, int]:
+    """Bytes one decode step at position ``context`` reads from memory, in two parts:
+    ``weights``, every learned parameter once (a tied LM head is the embedding, read once
+    for the logits; the embedding lookup itself reads one row and is not counted again), and
+    ``kv_cache``, the cached keys and values of ``context`` positions in every layer."""
+    c = config
+    weights = sum(llama_component_params(c).values()) * bytes_per_value
+    kv_cache = 2 * c.num_layers * context * c.num_kv_heads * c.head_dim * bytes_per_value
+    return {"weights": weights, "kv_cache": kv_cache}
+
+
 def gpt2_component_params(config) -> dict[str, int]:
     """Learned parameters per component of a GPT-2 (:class:`labkit.models.gpt2.GPT2Config`),
     biases included with their projection; the tied LM head adds 0."""
@@ -409,6 +420,7 @@ def time_llama_components(model, new_tokens: int, context: int = 0, *, repeats: 
 __all__ = [
     "ELEMENTWISE_FLOPS", "MATMUL_COMPONENTS", "LLAMA_COMPONENTS", "GPT2_COMPONENTS",
     "TIMED_COMPONENTS", "llama_component_params", "gpt2_component_params",
+    "llama_decode_bytes",
     "llama_component_flops", "gpt2_component_flops", "matmul_flops", "counted_flops",
     "agreement", "permute_rope_rows", "gguf_raw_rope_rows", "llama_forward_call",
     "llama_component_calls", "time_llama_components",

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from labkit.util.compare import MIN_SAMPLES, compare
 from labkit.util.timing import Timing, measure
 
 LAYOUTS = ("in_out", "out_in")
@@ -274,7 +277,9 @@ def compare_threads(fns: Mapping[str, Callable[[], Any]], threads_list: Sequence
     """Time every function on every thread count, interleaved over `rounds` (op A on 1 and 2
     threads, op B on 1 and 2, ..., then again), pooling each pair's samples, so slow drift of
     the machine's load affects both thread counts alike. Records: name, threads, the summary
-    of the pooled samples; and speedup (median on the first thread count / this median)."""
+    of the pooled samples; speedup (median on the first thread count / this median) and
+    its bootstrap interval speedup_low-speedup_high (:func:`labkit.util.compare.compare`
+    of the two pooled sets; 1.0-1.0 for the first thread count itself)."""
     pooled: dict[tuple[str, int], list[float]] = {}
     used: dict[tuple[str, int], int] = {}
     for _ in range(rounds):
@@ -286,15 +291,123 @@ def compare_threads(fns: Mapping[str, Callable[[], Any]], threads_list: Sequence
                 used[(name, threads)] = timing.threads
     records = []
     for name in fns:
-        base = None
+        base = pooled[(name, threads_list[0])]
         for threads in threads_list:
-            timing = Timing(name, pooled[(name, threads)], warmup=warmup,
-                            threads=used[(name, threads)])
+            samples = pooled[(name, threads)]
+            timing = Timing(name, samples, warmup=warmup, threads=used[(name, threads)])
             record = {"name": name, **_summary(timing)}
-            base = base if base is not None else record["median_s"]
-            record["speedup"] = base / record["median_s"]
+            if threads == threads_list[0]:
+                record.update(speedup=1.0, speedup_low=1.0, speedup_high=1.0)
+            else:
+                c = compare(samples, base)
+                record.update(speedup=c.ratio, speedup_low=c.low, speedup_high=c.high)
             records.append(record)
     return records
+
+
+# -- a change of level in a timeline ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """The largest change of level in a series of timings, found by :func:`find_step`.
+
+    ``at`` is the 1-based number of the first call of the later level; ``before_s`` and
+    ``after_s`` are the medians of the calls before and from it; ``ratio`` = after / before
+    with its bootstrap interval ``low``-``high``; ``median_s`` is the median of all the calls
+    examined. ``found`` is True only when the whole interval lies beyond ``min_change`` on
+    one side (a step up or a step down)."""
+
+    at: int
+    median_s: float
+    before_s: float
+    after_s: float
+    ratio: float
+    low: float
+    high: float
+    confidence: float
+    min_change: float
+    found: bool
+
+
+def find_step(samples: Sequence[float], *, skip: int = 1, min_fraction: float = 0.1,
+              min_change: float = 0.2, confidence: float = 0.95) -> Step:
+    """Look for a step in a timeline of calls (the level of the times changes part-way).
+
+    The first `skip` calls are left out (a cold first call is reported on its own). Every
+    split that leaves at least `min_fraction` of the rest (and 3 calls) on each side is
+    tried, and the one that fits the (log) times best with one level on each side is kept
+    (the least total absolute deviation from the two sides' medians); then
+    :func:`labkit.util.compare.compare` bootstraps the ratio median(after) / median(before).
+    A step is `found` when that whole interval lies above 1 + `min_change` or below
+    1 / (1 + `min_change`): beyond the noise *and* large enough to change a reading.
+
+    Comparing the first half with the second half alone would miss a step near either end:
+    a step at call 251 of 300 leaves both halves' medians on the first level."""
+    rest = [float(s) for s in samples[skip:]]
+    n = len(rest)
+    edge = max(MIN_SAMPLES, math.ceil(min_fraction * n))
+    if n < 2 * edge:
+        raise ValueError(f"find_step needs at least {2 * edge + skip} samples, got {len(samples)}")
+    logs = [math.log(s) for s in rest]
+
+    def cost(part: list[float]) -> float:
+        centre = statistics.median(part)
+        return sum(abs(v - centre) for v in part)
+
+    best_k = min(range(edge, n - edge + 1), key=lambda k: cost(logs[:k]) + cost(logs[k:]))
+    before, after = rest[:best_k], rest[best_k:]
+    c = compare(before, after, name_a="before", name_b="after", confidence=confidence)
+    up, down = 1.0 + min_change, 1.0 / (1.0 + min_change)
+    return Step(at=skip + best_k + 1, median_s=statistics.median(rest), before_s=statistics.median(before),
+                after_s=statistics.median(after), ratio=c.ratio, low=c.low, high=c.high,
+                confidence=confidence, min_change=min_change,
+                found=c.low > up or c.high < down)
+
+
+def _times(value: float) -> str:
+    """A ratio for prose: 2 decimals from 0.1 to 10, 2 significant digits below, none above."""
+    if value >= 10:
+        return f"{value:,.0f}x"
+    return f"{value:.2f}x" if value >= 0.1 else f"{value:.2g}x"
+
+
+def step_phrase(step: Step, scale: float = 1e6, unit: str = "µs") -> str:
+    """`step` in words for a glued sentence that answers "was there a step?":
+    "yes: from call 251 on, the calls took 171 µs instead of 319 µs (0.54x, 95% interval
+    0.53-0.54x)" or "no: the largest change of level (at call 40) was 0.98x (95% interval
+    0.97-0.99x), inside the factor of 1.2 either way that a step must exceed"."""
+    interval = (f"{step.confidence:.0%} interval {_times(step.low)[:-1]}-"
+                f"{_times(step.high)}")
+    if step.found:
+        return (f"yes: from call {step.at} on, the calls took {step.after_s * scale:,.0f} {unit} "
+                f"instead of {step.before_s * scale:,.0f} {unit} ({_times(step.ratio)}, "
+                f"{interval})")
+    return (f"no: the largest change of level (at call {step.at}) was {_times(step.ratio)} "
+            f"({interval}), inside the factor of {1 + step.min_change:.2g} either way that a "
+            "step must exceed")
+
+
+def level_phrase(step: Step, reference_s: float, reference: str) -> str:
+    """The level(s) of a timeline against a reference time: "0.98x the one-thread median
+    before the step and 0.52x after it", or "0.98x the one-thread median throughout" when
+    `step` found none (the median of the whole run, not of either side of a split)."""
+    if step.found:
+        return (f"{_times(step.before_s / reference_s)} {reference} before the step and "
+                f"{_times(step.after_s / reference_s)} after it")
+    return f"{_times(step.median_s / reference_s)} {reference} throughout"
+
+
+def slower_phrase(records: Sequence[Mapping[str, Any]]) -> str:
+    """Which operations of :func:`compare_threads` records ran slower on more threads beyond
+    the noise (the whole speedup interval below 1): "none of the 5 operations", or
+    "GEMM 64 (0.95x, 95% interval 0.93-0.97x)" (several joined by "and")."""
+    names = list(dict.fromkeys(r["name"] for r in records))
+    slower = [r for r in records if r["speedup_high"] < 1.0]
+    if not slower:
+        return f"none of the {len(names)} operations"
+    return " and ".join(f"{r['name']} ({_times(r['speedup'])}, 95% interval "
+                        f"{_times(r['speedup_low'])[:-1]}-{_times(r['speedup_high'])})"
+                        for r in slower)
 
 
 # -- one device, all three sweeps ------------------------------------------------------------
@@ -384,5 +497,6 @@ __all__ = [
     "LAYOUTS", "cpu_caches", "dtype_bytes", "matmul_flops", "matmul_bytes", "weight_bytes", "gemm_sweep",
     "gemv_weight", "gemv", "cold_copies", "gemv_sweep", "call_overhead_sweep", "overhead_floor",
     "leaves_floor", "compare_threads", "device_sweep", "model_gemv_shapes", "gemv_calls_per_token",
-    "decode_matmul_pass", "decode_step_fn",
+    "decode_matmul_pass", "decode_step_fn", "Step", "find_step", "step_phrase", "level_phrase",
+    "slower_phrase",
 ]

@@ -9,17 +9,24 @@ Chapter 5 contrasts each of these with what :mod:`labkit.engine.loop` does:
   position, the token the model would have chosen next. Choosing is serial; checking is not.
 * :func:`pass_flops` and :func:`generation_flops` count the arithmetic of each, to set the
   measured times beside what the multiply-adds alone predict.
+* :func:`time_in_turns` times the naive loop, the cached loop and the checking pass in
+  rounds (one of each loop, then several checks), so that a slow spell of a shared machine
+  falls on all three, and logs every sample with the process's CPU time and the load
+  average; :func:`slowest_reading` says in words what the slowest sample's CPU time shows.
 
 The naive ways to stop and to stream are in :mod:`labkit.experiments.naive_text`.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from labkit.util.timing import Timing
 
 
 def generate_naive(model, prompt_ids: Sequence[int], max_tokens: int, *,
@@ -130,9 +137,104 @@ def generation_flops(config, prompt_len: int, new_tokens: int) -> dict[str, int]
     return {"naive": naive, "cached": cached, "check": check}
 
 
+def _timed(fn) -> tuple[object, float, float]:
+    """(result, wall seconds, process CPU seconds) of one call."""
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def time_in_turns(runners: dict, *, rounds: int, checks_per_round: int = 1,
+                  check: str | None = None, warmup: int = 1) -> dict:
+    """Time several calls in rounds, the way chapter 5 times its three paths.
+
+    ``runners`` maps a name to a function of no arguments. Each round calls every runner once
+    in order, except the one named ``check``, which is called ``checks_per_round`` times (a
+    short call needs more samples than a long one to show its spread). Before the rounds,
+    every runner is called ``warmup`` times untimed: the first calls pay one-time costs
+    (allocations, packed weights, page faults).
+
+    Returns ``{"timings": {name: Timing}, "results": {name: [return values]}, "log": [...]}``.
+    ``log`` has one row per timed call in the order they ran: round, name, wall seconds,
+    process CPU seconds, ``cpu_share`` = CPU seconds / (wall seconds x threads) (near 1 when
+    the process had every core it asked for; well below 1 when it was waiting for a core, or
+    for anything else) and the 1-minute load average read after the call.
+    """
+    if rounds < 1 or checks_per_round < 1 or warmup < 0:
+        raise ValueError("rounds and checks_per_round must be >= 1, warmup >= 0")
+    if check is not None and check not in runners:
+        raise ValueError(f"check={check!r} is not one of the runners {list(runners)}")
+    threads = torch.get_num_threads()
+    for fn in runners.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    results: dict[str, list] = {name: [] for name in runners}
+    log: list[dict] = []
+    for r in range(rounds):
+        for name, fn in runners.items():
+            for _ in range(checks_per_round if name == check else 1):
+                out, wall, cpu = _timed(fn)
+                samples[name].append(wall)
+                results[name].append(out)
+                log.append({"round": r, "what": name, "wall_s": wall, "cpu_s": cpu,
+                            "cpu_share": cpu / (wall * threads) if wall > 0 else 0.0,
+                            "load_1min": os.getloadavg()[0]})
+    timings = {name: Timing(name, s, warmup, threads, {"rounds": rounds})
+               for name, s in samples.items()}
+    return {"timings": timings, "results": results, "log": log}
+
+
+def slowest_reading(log: Sequence[dict], what: str, *, slow: float = 1.5,
+                    held_off: float = 0.7) -> str:
+    """What the slowest timed call of ``what`` shows, in words a sentence can glue.
+
+    If the slowest call took less than ``slow`` times the median call, the spread is small and
+    the phrase says so. Otherwise it compares the slowest call's ``cpu_share`` with the median
+    share: below ``held_off`` times it, the process got less of the cores during that call
+    (other work on the machine, or waiting), so the extra time is not the call's own work;
+    otherwise the process was busy for the whole call, so the extra time was spent computing.
+    """
+    rows = [row for row in log if row["what"] == what]
+    if not rows:
+        raise ValueError(f"no samples of {what!r} in the log")
+    median_wall = statistics.median(row["wall_s"] for row in rows)
+    median_share = statistics.median(row["cpu_share"] for row in rows)
+    worst = max(rows, key=lambda row: row["wall_s"])
+    ratio = worst["wall_s"] / median_wall
+    if ratio < slow:
+        return (f"the slowest call took {ratio:.2f} times the median, so the median stands "
+                f"for every call")
+    if worst["cpu_share"] < held_off * median_share:
+        return (f"the slowest call took {ratio:.1f} times the median, and during it the process "
+                f"used the cores only {worst['cpu_share']:.0%} of the time against "
+                f"{median_share:.0%} in the median call: it was held off the CPU, so the extra "
+                f"time was the machine's, not the call's")
+    return (f"the slowest call took {ratio:.1f} times the median while the process used the "
+            f"cores {worst['cpu_share']:.0%} of the time ({median_share:.0%} in the median "
+            f"call): the extra time was spent computing (or spinning), not waiting for a core")
+
+
+def against_prediction(low: float, high: float, predicted: float) -> str:
+    """Where a predicted ratio falls against a measured interval [low, high], as the words
+    "above", "below" or "within the interval of" the measured ratio would read: "the
+    measured ratio was ``above`` the arithmetic's" when the whole interval exceeds it."""
+    if low > high:
+        raise ValueError("low must not exceed high")
+    if low > predicted:
+        return "above"
+    if high < predicted:
+        return "below"
+    return "within the interval of"
+
+
 __all__ = [
+    "against_prediction",
     "check_in_one_pass",
     "generate_naive",
     "generation_flops",
     "pass_flops",
+    "slowest_reading",
+    "time_in_turns",
 ]
+

@@ -46,6 +46,8 @@ __all__ = [
     "chi2_sf",
     "final_hidden_state",
     "step_logits",
+    "lead_phrase",
+    "same_choice_phrase",
 ]
 
 
@@ -403,3 +405,27 @@ def sampling_check(logits: torch.Tensor, params: SamplingParams, draws: int, *, 
         p_value = chi2_sf(chi2, len(obs) - 1) if math.isfinite(chi2) else 0.0
     return SamplingCheck(draws=draws, counts=counts, probs=probs, tv=tv, expected_tv=expected_tv,
                          chi2=chi2, bins=len(obs), p_value=p_value)
+
+
+# --------------------------------------------------------------------------- verdicts in words
+
+
+def lead_phrase(margin: float, *, digits: int = 3) -> str:
+    """How one candidate stands against another, from ``margin`` = its logit minus the other's.
+
+    "leads the runner-up by 0.125 logits", "trails the runner-up by 0.125 logits", or "ties
+    with the runner-up" (when the margin rounds to zero at ``digits``): the sign picks the
+    verb, so a sentence never reads "leads by -0.125".
+    """
+    shown = round(abs(margin), digits)
+    if shown == 0:
+        return "ties with the runner-up"
+    verb = "leads" if margin > 0 else "trails"
+    return f"{verb} the runner-up by {shown:.{digits}f} logits"
+
+
+def same_choice_phrase(chosen: int, reference: int, *, reference_name: str = "float32") -> str:
+    """ "the same token as in float32" or "not the token float32 chose"."""
+    if int(chosen) == int(reference):
+        return f"the same token as in {reference_name}"
+    return f"not the token {reference_name} chose"

@@ -40,6 +40,10 @@ __all__ = [
     "broken_sampler",
     "broken_loop",
     "baseline_throughput",
+    "BASELINE_STAGES",
+    "thread_comparisons",
+    "memory_rate_verdict",
+    "comparison_rows",
 ]
 
 
@@ -311,7 +315,9 @@ def baseline_throughput(model: EngineModel, prompt: str, *, threads: int, new_to
     """Greedy decode of exactly ``new_tokens`` tokens (EOS ignored), timed with
     :func:`labkit.util.timing.measure` on ``threads`` threads. The request time is the
     measured median; prefill and per-token decode times are medians over the same timed runs'
-    :class:`~labkit.engine.loop.StageTimings`."""
+    :class:`~labkit.engine.loop.StageTimings`. The per-run samples travel with the row
+    (``request_samples_s``, ``prefill_samples_s``, ``decode_step_samples_s``), so that two
+    rows can be compared with their intervals (:func:`thread_comparisons`)."""
     from labkit.util.timing import measure
     from labkit.engine.loop import generate
 
@@ -321,12 +327,61 @@ def baseline_throughput(model: EngineModel, prompt: str, *, threads: int, new_to
     timing = measure(lambda: runs.append(loop(model, prompt, params)), name=f"{threads} thread(s)",
                      repeats=repeats, warmup=warmup, threads=threads)
     timed = runs[warmup:]
-    prefill = statistics.median(r.timings.prefill for r in timed)
-    step = statistics.median(r.timings.decode / len(r.timings.decode_steps) for r in timed)
+    prefills = [r.timings.prefill for r in timed]
+    steps = [r.timings.decode / len(r.timings.decode_steps) for r in timed]
+    prefill, step = statistics.median(prefills), statistics.median(steps)
     return {
         "threads": timing.threads, "new_tokens": len(timed[-1].token_ids),
         "prompt_tokens": len(timed[-1].prompt_token_ids), "repeats": len(timing.samples),
         "request_s": timing.median, "request_spread": timing.spread,
         "tokens_per_s": new_tokens / timing.median, "prefill_ms": 1e3 * prefill,
         "decode_ms_per_token": 1e3 * step, "decode_tokens_per_s": 1.0 / step,
+        "request_samples_s": list(timing.samples), "prefill_samples_s": prefills,
+        "decode_step_samples_s": steps,
     }
+
+
+# The stages whose samples a baseline row carries (with an added "memory_read" where a row has
+# ``memory_read_samples_s``).
+BASELINE_STAGES = ("request", "prefill", "decode_step")
+
+
+def thread_comparisons(one: dict[str, Any], two: dict[str, Any],
+                       stages: Sequence[str] = BASELINE_STAGES) -> dict[str, Any]:
+    """Two threads against one, stage by stage, with bootstrap intervals.
+
+    ``one`` and ``two`` are rows of :func:`baseline_throughput` (on one and on two threads);
+    for each stage their ``<stage>_samples_s`` are compared with
+    :func:`labkit.util.compare.compare`, two threads as ``a``, so each
+    :class:`~labkit.util.compare.Comparison`'s ``ratio`` is median(one) / median(two), the
+    speed-up of the second thread, and its verdict is "faster" only when the whole interval
+    lies above 1."""
+    from labkit.util.compare import compare
+
+    return {stage: compare(two[f"{stage}_samples_s"], one[f"{stage}_samples_s"],
+                           name_a="two threads", name_b="one thread")
+            for stage in stages}
+
+
+def memory_rate_verdict(step_gb_s: float, read_gb_s: float, *, close: float = 0.8) -> str:
+    """Whether a decode step's weight stream ran near the memory's rate, in words.
+
+    ``step_gb_s`` is the weight bytes a decode step reads divided by its time; ``read_gb_s``
+    the rate of a plain sequential read on the same threads. At ``close`` (80%) of the plain
+    read or more the step is limited by memory; below, memory bandwidth does not set its
+    time on its own. A clause for a glued sentence, with no number in it."""
+    if step_gb_s <= 0 or read_gb_s <= 0:
+        raise ValueError(f"rates must be positive, got {step_gb_s} and {read_gb_s}")
+    if step_gb_s >= close * read_gb_s:
+        return "the step ran close to the memory's rate, so memory bandwidth set its time"
+    return "memory bandwidth alone did not set the step's time"
+
+
+def comparison_rows(comparisons: dict[str, Any], labels: dict[str, str] | None = None
+                    ) -> list[dict[str, Any]]:
+    """One table row per :class:`~labkit.util.compare.Comparison`: the stage (named by
+    ``labels`` where given), the ratio of medians, its interval and the verdict."""
+    labels = labels or {}
+    return [{"stage": labels.get(stage, stage), "speedup_x": round(c.ratio, 2),
+             f"{c.confidence:.0%} interval": f"{c.low:.2f}-{c.high:.2f}", "verdict": c.verdict}
+            for stage, c in comparisons.items()]

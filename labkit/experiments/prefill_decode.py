@@ -407,12 +407,12 @@ def plot_timeline(ax, timeline: dict, unit: float = 1.0, unit_label: str = "s") 
     ax.plot(times, [0.45] * len(times), "|", color="black", markersize=7)
     ax.axvline(timeline["arrival"] / unit, color="grey", linestyle="--", linewidth=0.8)
     ax.set_yticks([0, 1], ["short", "long"])
-    ax.set_ylim(-0.6, 1.6)
+    ax.set_ylim(-0.6, 2.2)  # the band above the long row holds the legend, clear of the bars
     ax.set_xlabel(f"time since the loop started ({unit_label})")
     from matplotlib.patches import Patch
 
     handles = [Patch(facecolor=c, label=f"{k} pass") for k, c in colors.items()]
-    ax.legend(handles=handles, loc="upper right", fontsize="small")
+    ax.legend(handles=handles, loc="upper right", ncol=2, fontsize="small")
 
 
 # -- the GPU path: the library reference on CUDA -----------------------------------------

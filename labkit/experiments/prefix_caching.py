@@ -343,6 +343,33 @@ def prob_slower(a: Seq[float], b: Seq[float]) -> float:
     return wins / (len(a) * len(b))
 
 
+def prob_slower_interval(a: Seq[float], b: Seq[float], confidence: float = 0.95,
+                         resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of :func:`prob_slower`: resample each set of samples
+    with replacement (seeded, so the same samples give the same interval) and take the
+    central `confidence` share of the resampled probabilities."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError("confidence must be in (0, 1)")
+    rng = random.Random(seed)
+    values = sorted(prob_slower(rng.choices(list(a), k=len(a)), rng.choices(list(b), k=len(b)))
+                    for _ in range(resamples))
+    tail = (1.0 - confidence) / 2
+    low = values[int(tail * (resamples - 1))]
+    high = values[int(round((1.0 - tail) * (resamples - 1)))]
+    return low, high
+
+
+def coin_toss_reading(low: float, high: float) -> str:
+    """Words for an interval of :func:`prob_slower` (wrong-guess probe against right-guess
+    probe): whether it contains 0.5 (the two kinds of probe indistinguishable), and if not,
+    on which side it lies."""
+    if low <= 0.5 <= high:
+        return "consistent with a coin toss"
+    if low > 0.5:
+        return "above a coin toss: the right guess was still the faster probe"
+    return "below a coin toss: the right guess was the slower probe"
+
+
 def pairwise_wins(a: Seq[float], b: Seq[float]) -> int:
     """Trials ``i`` in which ``a[i]`` is slower than ``b[i]`` (paired samples of one trial)."""
     if len(a) != len(b):

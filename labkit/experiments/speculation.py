@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from labkit.util.compare import compare
 from labkit.util.timing import Timing, measure
 from labkit.engine.speculative import (LayerSkipDrafter, NgramDrafter, accept,
                                        expected_tokens_per_verification, speculative_generate)
@@ -119,13 +120,44 @@ def text_type_prompts(tokenizer, per_type: int = 1, prose_text: str | None = Non
 
 # -- drafters ---------------------------------------------------------------------------------
 
+class CountedModule:
+    """A model wrapper that counts its calls (`passes`) and the tokens they carried, and
+    otherwise behaves as the model (attributes are forwarded)."""
+
+    def __init__(self, module):
+        self.module, self.passes, self.tokens = module, 0, 0
+
+    def __call__(self, ids, *args, **kwargs):
+        self.passes += 1
+        self.tokens += int(ids.shape[-1])
+        return self.module(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
 def make_drafter(model, name: str):
-    """"ngram" -> NgramDrafter(max_n=3); "layerskip-L" -> LayerSkipDrafter(model, L)."""
+    """"ngram" -> NgramDrafter(max_n=3); "layerskip-L" -> LayerSkipDrafter(model, L), whose
+    draft model is wrapped in a :class:`CountedModule` so a run can report its draft passes."""
     if name == "ngram":
         return NgramDrafter(max_n=3, min_n=1)
     if name.startswith("layerskip-"):
-        return LayerSkipDrafter(model, int(name.split("-", 1)[1]))
+        drafter = LayerSkipDrafter(model, int(name.split("-", 1)[1]))
+        drafter.model = CountedModule(drafter.model)
+        return drafter
     raise ValueError(f"unknown drafter {name!r}")
+
+
+def draft_passes(drafter, prompt_len: int) -> int:
+    """Passes of a layer-skip draft model during generation (its prefill of the prompt in
+    `reset` left out), 0 for a drafter without a counted model. Per verification a greedy
+    layer-skip draft makes one 1-token pass per guess, plus one catch-up pass over the last
+    guess when every guess was accepted (the draft produced that token but never fed it
+    through its own layers), so passes per guess exceed 1 exactly when guesses are accepted."""
+    counted = getattr(drafter, "model", None)
+    if not isinstance(counted, CountedModule):
+        return 0
+    return counted.passes - (1 if prompt_len > 1 else 0)
 
 
 @torch.inference_mode()
@@ -207,11 +239,14 @@ def speculation_sweep(model, prompts: Mapping[str, Sequence[list[int]]],
 
     `plain(model, prompt_ids, params)` -> token ids defaults to labkit.engine.loop.generate.
     One record per (text type, prompt, system): text_type, prompt, drafter ("none" for plain),
-    k (0 for plain), tokens, median_s, p25_s, p75_s, spread, tokens_per_s, speedup (plain
-    median / this median, same prompt), acceptance_rate, tokens_per_verification,
-    verifications, proposed, accepted, draft_share (share of the speculative run's draft +
-    verify time spent drafting), equal_to_plain (same token ids as plain greedy), token_ids
-    (the output). `prompt_offset` is added to the prompt index."""
+    k (0 for plain), tokens, median_s, p25_s, p75_s, spread, repeats, samples_s (the timed
+    samples, one per round, in round order), tokens_per_s, speedup (plain median / this
+    median, same prompt), acceptance_rate, tokens_per_verification, verifications, proposed,
+    accepted, draft_share (share of the speculative run's draft + verify time spent
+    drafting), draft_s and verify_s (the last run's seconds in each), draft_passes (the last
+    run's passes of a layer-skip draft model, :func:`draft_passes`; 0 otherwise),
+    equal_to_plain (same token ids as plain greedy), token_ids (the output).
+    `prompt_offset` is added to the prompt index."""
     if plain is None:
         from labkit.engine.loop import generate
 
@@ -231,7 +266,8 @@ def speculation_sweep(model, prompts: Mapping[str, Sequence[list[int]]],
             for drafter_name, k in configs:
                 def run_spec(ids=ids, drafter_name=drafter_name, k=k):
                     drafter = make_drafter(model, drafter_name)
-                    last[(drafter_name, k)] = speculative_generate(model, ids, params, drafter, k=k)
+                    tokens, stats = speculative_generate(model, ids, params, drafter, k=k)
+                    last[(drafter_name, k)] = tokens, stats, draft_passes(drafter, len(ids))
                 runners[(drafter_name, k)] = run_spec
             timings = interleaved(runners, rounds)
             base = timings["plain"].median
@@ -242,15 +278,18 @@ def speculation_sweep(model, prompts: Mapping[str, Sequence[list[int]]],
                     tokens = last["plain"]
                     row.update(drafter="none", k=0, acceptance_rate=float("nan"),
                                tokens_per_verification=1.0, verifications=len(tokens),
-                               proposed=0, accepted=0, draft_share=0.0, equal_to_plain=True)
+                               proposed=0, accepted=0, draft_share=0.0, draft_s=0.0,
+                               verify_s=0.0, draft_passes=0, equal_to_plain=True)
                 else:
-                    tokens, stats = last[key]
+                    tokens, stats, passes = last[key]
                     spent = stats.draft_s + stats.verify_s
                     row.update(drafter=key[0], k=key[1], acceptance_rate=stats.acceptance_rate,
                                tokens_per_verification=stats.tokens_per_verification,
                                verifications=stats.verifications, proposed=stats.proposed,
                                accepted=stats.accepted,
                                draft_share=stats.draft_s / spent if spent else 0.0,
+                               draft_s=stats.draft_s, verify_s=stats.verify_s,
+                               draft_passes=passes,
                                equal_to_plain=list(tokens) == list(last["plain"]))
                 row["prompt"] += prompt_offset
                 row["tokens"] = len(tokens)
@@ -297,7 +336,73 @@ def add_predictions(records: Iterable[dict[str, Any]], verify_cost: Mapping[int,
 
 def _timing_summary(timing: Timing) -> dict[str, Any]:
     return {"median_s": timing.median, "p25_s": timing.quantile(0.25),
-            "p75_s": timing.quantile(0.75), "spread": timing.spread, "repeats": len(timing.samples)}
+            "p75_s": timing.quantile(0.75), "spread": timing.spread, "repeats": len(timing.samples),
+            "samples_s": list(timing.samples)}
+
+
+# -- verdicts from the samples -------------------------------------------------------------------
+
+RELATION = {"faster": "faster than", "slower": "slower than", "within the noise": "within the noise of"}
+
+
+def pooled_speedups(records: Iterable[dict[str, Any]], confidence: float = 0.95) -> list[dict[str, Any]]:
+    """One row per (text_type, drafter, k) of the speculative records: the speed-up over plain
+    decoding of the same prompts, with its bootstrap interval and verdict
+    (:func:`labkit.util.compare.compare`). Round r's sample of a setting is the sum, over the
+    setting's prompts, of each prompt's r-th timed run (the sweep times in rounds, so these
+    are runs made together); plain decoding is pooled over the same prompts. Row: text_type,
+    drafter, k, prompts, speedup_x (median plain total / median speculative total), low_x,
+    high_x, verdict ("faster", "slower", "within the noise"), relation ("faster than", ...),
+    interval (the ratio and interval in words), acceptance_rate and tokens_per_verification
+    (pooled over the prompts' runs), draft_share (mean)."""
+    records = list(records)
+    plain = {(r["text_type"], r["prompt"]): r["samples_s"] for r in records if r["drafter"] == "none"}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["drafter"] != "none":
+            groups.setdefault((r["text_type"], r["drafter"], int(r["k"])), []).append(r)
+    out = []
+    for (text_type, drafter, k), rows in groups.items():
+        spec_total = [sum(s) for s in zip(*(r["samples_s"] for r in rows))]
+        plain_total = [sum(s) for s in zip(*(plain[text_type, r["prompt"]] for r in rows))]
+        c = compare(spec_total, plain_total, name_a="speculative", name_b="plain",
+                    confidence=confidence)
+        proposed = sum(r["proposed"] for r in rows)
+        verifications = sum(r["verifications"] for r in rows)
+        accepted = sum(r["accepted"] for r in rows)
+        out.append({"text_type": text_type, "drafter": drafter, "k": k, "prompts": len(rows),
+                    "speedup_x": c.ratio, "low_x": c.low, "high_x": c.high, "verdict": c.verdict,
+                    "relation": RELATION[c.verdict], "interval": c.interval_text(),
+                    "acceptance_rate": accepted / proposed if proposed else 0.0,
+                    "tokens_per_verification": (accepted + verifications) / verifications,
+                    "draft_share": sum(r["draft_share"] for r in rows) / len(rows)})
+    return out
+
+
+def draft_cost_per_guess(records: Iterable[dict[str, Any]], step_s: float) -> list[dict[str, Any]]:
+    """For each layer-skip record, what its draft cost per guess, in units of `step_s` (one
+    1-token decode step of the target): passes_per_guess (draft passes / guesses proposed),
+    pass_steps (draft seconds per pass / step_s) and guess_steps (draft seconds per guess /
+    step_s = their product). Prompt lookup has no draft passes and is left out."""
+    out = []
+    for r in records:
+        if not str(r["drafter"]).startswith("layerskip") or not r["proposed"] or not r["draft_passes"]:
+            continue
+        out.append({"text_type": r["text_type"], "prompt": r["prompt"], "drafter": r["drafter"],
+                    "k": int(r["k"]), "acceptance_rate": r["acceptance_rate"],
+                    "passes_per_guess": r["draft_passes"] / r["proposed"],
+                    "pass_steps": r["draft_s"] / r["draft_passes"] / step_s,
+                    "guess_steps": r["draft_s"] / r["proposed"] / step_s})
+    return out
+
+
+def break_even_text(alpha: float) -> str:
+    """A break-even acceptance rate (:func:`break_even_alpha`) in words for the prose."""
+    if alpha != alpha:  # nan
+        return "cannot break even, even if every guess is accepted"
+    if alpha == 0.0:
+        return "pays even if every guess fails"
+    return f"breaks even at an acceptance rate of {alpha:.2f}"
 
 
 # -- the rejection rule on a real distribution -------------------------------------------------

@@ -6,17 +6,24 @@ ceiling), and every call pays a fixed overhead (the launch/dispatch ceiling):
 
     predicted time = overhead + max(F / peak_flops, B / bandwidth)
 
-`measure_machine()` measures the three numbers with labkit.util.timing; `Op` describes an
-operation by its FLOPs and bytes; `predict` applies the model.
+`measure_machine()` measures the three numbers with labkit.util.timing, each as the best of
+repeated runs (a ceiling is what the machine can do, so the fastest run is the estimate and
+slower runs are the machine doing other work); `Op` describes an operation by its FLOPs and
+bytes; `predict` applies the model. `last_level_cache_bytes()` says how large an operand
+may be and still stay in the cache between calls: the model's memory ceiling is DRAM's, so
+an op whose operands stay in the cache can beat it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 
-from labkit.util.timing import measure, num_threads
+from labkit.util.timing import Timing, measure, num_threads
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class Machine:
     overhead: float  # seconds per call
     threads: int
     dtype: str = "float32"
+    device: str = "cpu"
 
     @property
     def ridge_point(self) -> float:
@@ -72,33 +80,132 @@ def bound(op: Op, machine: Machine) -> str:
     return "compute" if compute >= memory else "memory"
 
 
+def last_level_cache_bytes(default: int = 64 * 2**20) -> int:
+    """Size of this machine's largest CPU cache, in bytes (Linux sysfs, then lscpu).
+
+    An operand smaller than this can stay in the cache between calls, so an op that reuses
+    it is not timed against memory. Returns `default` where neither source answers.
+    """
+    import glob
+    import subprocess
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            sizes.append(parse_cache_size(Path(path).read_text()))
+        except (OSError, ValueError):
+            pass
+    if not sizes:
+        try:
+            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip().startswith("L") and key.strip().endswith("cache"):
+                try:
+                    sizes.append(parse_cache_size(value.split("(")[0]))
+                except ValueError:
+                    pass
+    return max(sizes) if sizes else default
+
+
+def parse_cache_size(text: str) -> int:
+    """'32768K', '32 MiB', '2 MB', '512 KiB' -> bytes (binary units, as Linux reports them)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]?)(?:i?B)?\s*", text.strip(), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a cache size: {text!r}")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2).upper()]
+    return int(float(match.group(1)) * scale)
+
+
+def _timed(fn: Callable[[], object], name: str, repeats: int, warmup: int, device: str) -> Timing:
+    return measure(fn, name=name, repeats=repeats, warmup=warmup, device=device)
+
+
 def measure_peak_flops(size: int = 2048, dtype: torch.dtype = torch.float32,
-                       repeats: int = 5) -> float:
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    timing = measure(lambda: torch.mm(a, b), name="gemm", repeats=repeats, warmup=2)
-    return 2.0 * size**3 / timing.median
+                       repeats: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of the fastest of `repeats` runs of a square GEMM (a ceiling, so the best run)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    timing = _timed(lambda: torch.mm(a, b), "gemm", repeats, 2, device)
+    return 2.0 * size**3 / timing.min
 
 
-def measure_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a streaming copy (read + write) far larger than the caches."""
-    n = mbytes * 2**20 // 4
-    src, dst = torch.ones(n), torch.empty(n)
-    timing = measure(lambda: dst.copy_(src), name="copy", repeats=repeats, warmup=2)
-    return 2.0 * n * 4 / timing.median
+def measure_bandwidth(mbytes: int = 512, repeats: int = 5, device: str = "cpu",
+                      kind: str = "copy") -> float:
+    """Bytes per second of the fastest of `repeats` passes over an `mbytes` MB buffer.
+
+    `kind="copy"` copies it into a second buffer and counts the read and the write;
+    `kind="read"` sums it, reading every byte once (what a matrix-vector product does with
+    its weights). Make the buffer much larger than the last-level cache to measure memory;
+    a buffer that fits measures the cache.
+    """
+    n = max(1, mbytes * 2**20 // 4)
+    src = torch.ones(n, device=device)
+    if kind == "copy":
+        dst = torch.empty(n, device=device)
+        timing = _timed(lambda: dst.copy_(src), "copy", repeats, 2, device)
+        return 2.0 * n * 4 / timing.min
+    if kind == "read":
+        timing = _timed(lambda: src.sum(), "read", repeats, 2, device)
+        return n * 4 / timing.min
+    raise ValueError(f"kind must be 'copy' or 'read', not {kind!r}")
 
 
-def measure_overhead(repeats: int = 200) -> float:
-    """Seconds of a call that does almost nothing: the fixed cost of any op."""
-    a, b = torch.ones(1, 1), torch.ones(1, 1)
-    return measure(lambda: torch.mm(a, b), name="tiny", repeats=repeats, warmup=20).median
+def measure_overhead(repeats: int = 200, device: str = "cpu") -> float:
+    """Seconds of the fastest call that does almost nothing: the fixed cost of any op."""
+    a, b = torch.ones(1, 1, device=device), torch.ones(1, 1, device=device)
+    return _timed(lambda: torch.mm(a, b), "tiny", repeats, 20, device).min
+
+
+def measure_ceilings(threads: int | None = None, gemm_size: int = 2048,
+                     stream_mbytes: int = 512, repeats: int = 5,
+                     device: str = "cpu") -> tuple[Machine, list[dict]]:
+    """Measure the three ceilings on `threads` threads, each as the best of `repeats` runs.
+
+    - peak: the faster of two large square GEMMs (`gemm_size` and half of it);
+    - bandwidth: the faster of a copy and a read of `stream_mbytes` MB (choose it far
+      above the last-level cache);
+    - overhead: the fastest 1x1 matrix product.
+
+    Returns the Machine and one row per experiment (ceiling, experiment, value, unit).
+    """
+    with num_threads(threads):
+        peaks = {s: measure_peak_flops(s, repeats=repeats, device=device)
+                 for s in (gemm_size // 2, gemm_size)}
+        streams = {k: measure_bandwidth(stream_mbytes, repeats, device, k)
+                   for k in ("copy", "read")}
+        overhead = measure_overhead(device=device)
+        used = torch.get_num_threads()
+    machine = Machine(peak_flops=max(peaks.values()), bandwidth=max(streams.values()),
+                      overhead=overhead, threads=used, device=device)
+    rows = [{"ceiling": "peak", "experiment": f"GEMM {s}x{s}x{s}", "value": f / 1e9,
+             "unit": "GFLOP/s", "used": f == machine.peak_flops} for s, f in peaks.items()]
+    rows += [{"ceiling": "bandwidth", "experiment": f"{k} of {stream_mbytes} MB",
+              "value": b / 1e9, "unit": "GB/s", "used": b == machine.bandwidth}
+             for k, b in streams.items()]
+    rows.append({"ceiling": "overhead", "experiment": "1x1 matrix product",
+                 "value": overhead * 1e6, "unit": "µs", "used": True})
+    for row in rows:
+        row["threads"] = used
+    return machine, rows
 
 
 def measure_machine(threads: int | None = None, gemm_size: int = 2048,
-                    stream_mbytes: int = 512) -> Machine:
-    with num_threads(threads):
-        return Machine(
-            peak_flops=measure_peak_flops(gemm_size),
-            bandwidth=measure_bandwidth(stream_mbytes),
-            overhead=measure_overhead(),
-            threads=torch.get_num_threads(),
-        )
+                    stream_mbytes: int = 512, repeats: int = 5,
+                    device: str = "cpu") -> Machine:
+    """The Machine of `measure_ceilings` (best-of-`repeats` ceilings on `threads` threads)."""
+    return measure_ceilings(threads, gemm_size, stream_mbytes, repeats, device)[0]
+
+
+def relation_word(ratio: float, tolerance: float = 0.1) -> str:
+    """How a rate compares with a reference, for prose: `ratio` = rate / reference.
+
+    "less than" below 1 - tolerance, "more than" above 1 + tolerance, "about the same as"
+    between: a sentence glued from it claims a difference only when there is one."""
+    if ratio < 1 - tolerance:
+        return "less than"
+    if ratio > 1 + tolerance:
+        return "more than"
+    return "about the same as"

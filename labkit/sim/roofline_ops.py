@@ -6,7 +6,11 @@ this machine (float32, CPU or `device`). Inputs are built lazily, so a catalogue
 ops holds only the tensors of the op being measured.
 
 Byte counts are the minimum traffic: every input read once and the output written once
-(what an ideal kernel with perfect caching would move). FLOP counts follow the usual
+(what an ideal kernel with perfect caching would move). Each entry also has a `footprint`:
+the bytes its repeated calls touch in all. An op called again and again on the same small
+inputs finds them in the cache, so it is not timed against memory; `gemv_from_memory`
+rotates through enough copies of a weight matrix that every call reads it from DRAM, as a
+decode step does with its 540 MB of distinct weights. FLOP counts follow the usual
 conventions: a multiply-add is 2 FLOPs, elementwise ops count a few FLOPs per element.
 
 `decode_step_ops(config, batch, position)` writes one batched decode step of a Llama model
@@ -23,19 +27,27 @@ import torch
 import torch.nn.functional as F
 
 from labkit.util.timing import measure
-from labkit.sim.roofline import Machine, Op, bound, matmul_op, predict
+from labkit.sim.roofline import Machine, Op, bound, last_level_cache_bytes, matmul_op, predict
 
 F32 = 4  # bytes per float32 element
 
 
 @dataclass(frozen=True)
 class CatalogueOp:
-    """An Op with a kind, the shape of its output, and a factory for a runnable callable."""
+    """An Op with a kind, the shape of its output, and a factory for a runnable callable.
+
+    `footprint` is the bytes that repeated calls touch in all (by default the op's own
+    bytes: every call reuses the same inputs)."""
 
     op: Op
     kind: str
     out_shape: tuple[int, ...]
     make: Callable[[], Callable[[], torch.Tensor]]
+    footprint: float | None = None
+
+    @property
+    def footprint_bytes(self) -> float:
+        return self.op.bytes if self.footprint is None else self.footprint
 
     @property
     def name(self) -> str:
@@ -54,6 +66,27 @@ def gemm(m: int, n: int, k: int, name: str = "", kind: str = "gemm",
         x, w = _rand(m, k, device=device), _rand(n, k, device=device)
         return lambda: F.linear(x, w)
     return CatalogueOp(matmul_op(m, n, k, name=name or f"{kind} {m}x{k}x{n}"), kind, (m, n), make)
+
+
+def gemv_from_memory(n: int, k: int, name: str, llc_bytes: int,
+                     device: str = "cpu") -> CatalogueOp:
+    """x [1, k] @ W^T, each call with the next of enough copies of W [n, k] that together
+    they exceed twice the last-level cache: the copies are read in the order they were
+    written, so each call finds its weights evicted, as in a decode step."""
+    op = matmul_op(1, n, k, name=name)
+    copies = max(1, -(-2 * llc_bytes // (F32 * n * k)))
+
+    def make():
+        x = _rand(1, k, device=device)
+        weights = [_rand(n, k, device=device) for _ in range(copies)]
+        turn = [0]
+
+        def call():
+            w = weights[turn[0]]
+            turn[0] = (turn[0] + 1) % copies
+            return F.linear(x, w)
+        return call
+    return CatalogueOp(op, "gemv from memory", (1, n), make, footprint=float(copies * op.bytes))
 
 
 def bmm(b: int, m: int, n: int, k: int, name: str = "", device: str = "cpu") -> CatalogueOp:
@@ -140,14 +173,21 @@ def smollm2_weight_shapes(hidden: int = 576, intermediate: int = 1536, heads: in
     }
 
 
-def catalogue(size: str = "full", device: str = "cpu") -> list[CatalogueOp]:
-    """The ops the chapter measures: `size="full"` (>= 50 ops) or `"tiny"` (for tests)."""
+def catalogue(size: str = "full", device: str = "cpu",
+              llc_bytes: int | None = None) -> list[CatalogueOp]:
+    """The ops the chapter measures: `size="full"` (>= 50 ops) or `"tiny"` (for tests).
+
+    The model's five weight matrices appear twice as one-row products: reusing one copy
+    (kind "gemv", weights in the cache when they fit) and rotating through copies larger
+    than `llc_bytes` together (kind "gemv from memory"; default: this machine's cache)."""
+    llc = llc_bytes if llc_bytes is not None else last_level_cache_bytes()
     if size == "tiny":
         return [gemm(8, 12, 16, device=device), gemm(1, 24, 16, kind="gemv", device=device),
                 bmm(2, 4, 5, 6, device=device), elementwise("add", 32, device=device),
                 elementwise("silu*mul", 32, device=device), softmax(3, 7, device=device),
                 rmsnorm(3, 16, device=device), gather(5, 50, 8, device=device),
-                copy(64, device=device)]
+                copy(64, device=device),
+                gemv_from_memory(24, 16, "gemv 24x16 from memory", 4096, device=device)]
     if size != "full":
         raise ValueError(f"size must be 'full' or 'tiny', not {size!r}")
     ops: list[CatalogueOp] = []
@@ -162,6 +202,8 @@ def catalogue(size: str = "full", device: str = "cpu") -> list[CatalogueOp]:
         for name, (n, k) in shapes.items():
             ops.append(gemm(m, n, k, name=f"{name} decode b{m}",
                             kind="gemv" if m == 1 else "gemm", device=device))
+    for name, (n, k) in shapes.items():
+        ops.append(gemv_from_memory(n, k, f"{name} decode b1, from memory", llc, device=device))
     ops += [bmm(9, 1, 64, 64, name="attn q.K^T b1 s64", device=device),
             bmm(9 * 16, 1, 512, 64, name="attn q.K^T b16 s512", device=device),
             bmm(9, 128, 128, 64, name="attn Q.K^T prefill 128", device=device),
@@ -184,12 +226,16 @@ def catalogue(size: str = "full", device: str = "cpu") -> list[CatalogueOp]:
 
 def measure_catalogue(ops: list[CatalogueOp], machine: Machine, *, repeats: int = 5,
                       warmup: int = 1, max_bytes: float | None = None,
-                      max_flops: float | None = None) -> list[dict]:
+                      max_flops: float | None = None, llc_bytes: int | None = None,
+                      device: str | None = None) -> list[dict]:
     """Measure each op (skipping those above `max_bytes` / `max_flops`) and predict it.
 
-    Returns one row per op: name, kind, flops, bytes, intensity, predicted_s, measured_s,
-    spread, ratio (measured / predicted) and the bound the model names.
+    Returns one row per op: name, kind, flops, bytes, intensity, predicted_s, measured_s
+    (median), best_s (fastest run), spread, ratio (measured / predicted), the bound the model
+    names, footprint_bytes and in_cache (footprint within `llc_bytes`; default: this
+    machine's last-level cache). `device` synchronises GPU work around every timed call.
     """
+    llc = llc_bytes if llc_bytes is not None else last_level_cache_bytes()
     rows = []
     for entry in ops:
         op = entry.op
@@ -197,13 +243,15 @@ def measure_catalogue(ops: list[CatalogueOp], machine: Machine, *, repeats: int 
                 max_flops is not None and op.flops > max_flops):
             continue
         fn = entry.make()
-        timing = measure(fn, name=op.name, repeats=repeats, warmup=warmup)
+        timing = measure(fn, name=op.name, repeats=repeats, warmup=warmup, device=device)
         del fn
         predicted = predict(op, machine)
         rows.append({"name": op.name, "kind": entry.kind, "flops": op.flops, "bytes": op.bytes,
                      "intensity": op.intensity, "predicted_s": predicted,
-                     "measured_s": timing.median, "spread": timing.spread,
-                     "ratio": timing.median / predicted, "bound": bound(op, machine)})
+                     "measured_s": timing.median, "best_s": timing.min,
+                     "spread": timing.spread, "ratio": timing.median / predicted,
+                     "bound": bound(op, machine), "footprint_bytes": entry.footprint_bytes,
+                     "in_cache": entry.footprint_bytes <= llc})
     return rows
 
 
@@ -281,3 +329,30 @@ def decode_step_timer(model, batch: int, prompt_ids: list[int]) -> Callable[[], 
         cache.length = P
         return model(ids, cache=cache, last_only=True)
     return step
+
+
+def measure_decode_steps(model, batches: list[int], prompt_ids: list[int], machine: Machine,
+                         *, rounds: int = 7, threads: int | None = None) -> list[dict]:
+    """Time one decode step at every batch size, interleaved, and predict each.
+
+    The batch sizes take turns (1, 2, 4, ..., 1, 2, 4, ...) for `rounds` rounds after one
+    warm-up each, so a slow spell of a shared machine falls on all of them alike instead of
+    deciding one batch's number. Each row has the predictions of `predict_decode_step`,
+    the median step time with its bootstrap 95% interval (low_s, high_s), p75_s, max_s,
+    and the ratios of the median to the whole-step and per-op predictions.
+    """
+    from labkit.util.compare import median_interval
+    from labkit.util.timing import measure_interleaved
+
+    runners = {b: decode_step_timer(model, b, prompt_ids) for b in batches}
+    timings = measure_interleaved(runners, rounds=rounds, warmup=1, threads=threads)
+    rows = []
+    for b in batches:
+        t = timings[b]
+        low, high = median_interval(t.samples)
+        p = predict_decode_step(model.config, b, len(prompt_ids), machine)
+        rows.append({**p, "measured_s": t.median, "low_s": low, "high_s": high,
+                     "p75_s": t.quantile(0.75), "max_s": t.max, "rounds": len(t.samples),
+                     "ratio_whole": t.median / p["whole_step_s"],
+                     "ratio_per_op": t.median / p["per_op_s"]})
+    return rows
