@@ -102,3 +102,36 @@ def test_sweep_plumbing_on_tiny_model():
         w = b.padding_waste(p.run.running_per_step)
         assert max(w.batches) <= 2 and sum(w.batches) == 4
         assert w.wasted >= 0 and w.held == sum(s * n for s, n in zip(w.batches, w.steps))
+
+
+# -- the chapter's verdicts on TTFT ------------------------------------------------------------
+
+def test_lower_or_higher_follows_the_interval():
+    from labkit.experiments.batching import lower_or_higher, ttft_comparison
+
+    fast, slow = [0.10, 0.11, 0.12, 0.10, 0.11], [0.30, 0.31, 0.29, 0.32, 0.30]
+    assert lower_or_higher(ttft_comparison(fast, slow)).startswith("lower")
+    assert lower_or_higher(ttft_comparison(slow, fast)).startswith("higher")
+    noisy_a, noisy_b = [0.1, 0.3, 0.2, 0.25, 0.15], [0.12, 0.28, 0.21, 0.24, 0.16]
+    assert lower_or_higher(ttft_comparison(noisy_a, noisy_b)).startswith("within the noise")
+
+
+def test_group_ttfts_keeps_request_order_and_group():
+    from types import SimpleNamespace
+
+    from labkit.experiments.batching import group_ttfts
+
+    records = [SimpleNamespace(request=i, arrival_s=0.0, first_token_s=0.1 * (i + 1))
+               for i in (2, 0, 1)]
+    assert group_ttfts(records, lambda r: "even" if r.request % 2 == 0 else "odd", "even") \
+        == pytest.approx([0.1, 0.3])
+
+
+def test_times_phrase_and_range_words():
+    from labkit.experiments.batching import against_range, times_phrase
+
+    assert times_phrase(3.0, 1.0) == "3.0 times as long"
+    assert times_phrase(1.0, 4.0) == "4.0 times shorter"
+    assert against_range(10, 17, 27) == "smaller than the source's"
+    assert against_range(30, 17, 27) == "larger than the source's"
+    assert against_range(20, 17, 27) == "within the source's range"

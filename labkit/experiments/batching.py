@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Sequence
 
 from labkit.bench.serving import RequestRecord, RunResult, run_engine
 from labkit.bench.workloads import Workload, poisson_arrivals
+from labkit.util.compare import Comparison, compare
 
 
 # -- per-request latencies ----------------------------------------------------------------------
@@ -179,6 +180,50 @@ def group_summary(records: Sequence[RequestRecord], group: Callable[[RequestReco
         out[name] = {"requests": len(rs), "ttft_median_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
                      "ttft_max_s": max(ttft), "e2e_median_s": quantile(e2e, 0.5), "e2e_max_s": max(e2e)}
     return out
+
+
+def group_ttfts(records: Sequence[RequestRecord], group: Callable[[RequestRecord], str],
+                name: str) -> list[float]:
+    """Every request's TTFT in one group, in request order."""
+    return [ttft_s(r) for r in sorted(records, key=lambda r: r.request) if group(r) == name]
+
+
+def ttft_comparison(ours: Sequence[float], theirs: Sequence[float], *, name_ours: str = "ours",
+                    name_theirs: str = "theirs") -> Comparison:
+    """Median TTFT of one scheduler's requests against another's on the same requests, with a
+    bootstrap interval over the requests (`labkit.util.compare`): the ratio is how many times
+    longer `theirs` waited. The interval is the spread across requests within one run, not
+    across runs."""
+    return compare(ours, theirs, name_a=name_ours, name_b=name_theirs)
+
+
+def lower_or_higher(comparison: Comparison) -> str:
+    """`ours` against `theirs` in words that claim no more than the interval: "lower (the
+    other waited 1.8 times as long; 95% interval 1.5-2.1)", "higher (...)", or "within the
+    noise (ratio 1.02, 95% interval 0.9-1.1)"."""
+    interval = f"{comparison.confidence:.0%} interval {comparison.low:.2f}-{comparison.high:.2f}"
+    if comparison.verdict == "faster":
+        return f"lower (the other waited {comparison.ratio:.2f} times as long; {interval})"
+    if comparison.verdict == "slower":
+        return f"higher ({1 / comparison.ratio:.2f} times the other's; {interval})"
+    return f"within the noise (ratio {comparison.ratio:.2f}, {interval})"
+
+
+def times_phrase(a: float, b: float) -> str:
+    """`a` against `b` as "r times as long" or "r times shorter", reading right whichever is
+    larger."""
+    r = a / b
+    return f"{r:.1f} times as long" if r >= 1 else f"{1 / r:.1f} times shorter"
+
+
+def against_range(value: float, low: float, high: float, what: str = "the source's") -> str:
+    """Where `value` falls against a cited range [low, high]: "smaller than the source's",
+    "larger than ...", or "within the source's range"."""
+    if value < low:
+        return f"smaller than {what}"
+    if value > high:
+        return f"larger than {what}"
+    return f"within {what} range"
 
 
 def jain_index(values: Sequence[float]) -> float:
