@@ -114,6 +114,16 @@ def test_lower_or_higher_follows_the_interval():
     assert lower_or_higher(ttft_comparison(slow, fast)).startswith("higher")
     noisy_a, noisy_b = [0.1, 0.3, 0.2, 0.25, 0.15], [0.12, 0.28, 0.21, 0.24, 0.16]
     assert lower_or_higher(ttft_comparison(noisy_a, noisy_b)).startswith("within the noise")
+    higher = lower_or_higher(ttft_comparison(slow, fast))
+    low, high = (float(x) for x in higher.split("interval ")[1].rstrip(")").split("-"))
+    assert 1 < low < high  # the interval is of the same ratio as the number before it
+
+
+def test_ttft_verdict_refuses_too_few_requests():
+    from labkit.experiments.batching import ttft_verdict
+
+    assert ttft_verdict([0.1], [0.2, 0.3, 0.4]).startswith("not compared (1 request(s)")
+    assert ttft_verdict([0.1, 0.11, 0.12], [0.3, 0.31, 0.32]).startswith("lower")
 
 
 def test_group_ttfts_keeps_request_order_and_group():

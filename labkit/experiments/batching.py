@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Sequence
 
 from labkit.bench.serving import RequestRecord, RunResult, run_engine
 from labkit.bench.workloads import Workload, poisson_arrivals
-from labkit.util.compare import Comparison, compare
+from labkit.util.compare import MIN_SAMPLES, Comparison, compare
 
 
 # -- per-request latencies ----------------------------------------------------------------------
@@ -205,8 +205,19 @@ def lower_or_higher(comparison: Comparison) -> str:
     if comparison.verdict == "faster":
         return f"lower (the other waited {comparison.ratio:.2f} times as long; {interval})"
     if comparison.verdict == "slower":
-        return f"higher ({1 / comparison.ratio:.2f} times the other's; {interval})"
+        inverse = f"{comparison.confidence:.0%} interval {1 / comparison.high:.2f}-{1 / comparison.low:.2f}"
+        return f"higher (it waited {1 / comparison.ratio:.2f} times as long as the other; {inverse})"
     return f"within the noise (ratio {comparison.ratio:.2f}, {interval})"
+
+
+def ttft_verdict(ours: Sequence[float], theirs: Sequence[float]) -> str:
+    """:func:`lower_or_higher` of :func:`ttft_comparison`, or "not compared (...)" when a group
+    has too few requests for an interval (the ci profile's single long request)."""
+    fewest = min(len(ours), len(theirs))
+    if fewest < MIN_SAMPLES:
+        return (f"not compared ({fewest} request(s) in the group; an interval needs at least "
+                f"{MIN_SAMPLES})")
+    return lower_or_higher(ttft_comparison(ours, theirs))
 
 
 def times_phrase(a: float, b: float) -> str:
