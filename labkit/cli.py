@@ -5,6 +5,8 @@
     labkit model fetch [NAME]        download, verify and dequantize a registry model
     labkit model info [NAME] [--json] config, parameter count and byte accounting
     labkit model list
+    labkit serve [--model NAME] [--host H] [--port P] [--api-key-file F] ...
+                                     the OpenAI-compatible HTTP service (labkit.serve)
     labkit book run [--profile ci|full] [CHAPTER ...]
     labkit book build
 """
@@ -147,6 +149,12 @@ def _cmd_bench(args) -> int:
     return 1 if args.check and missed else 0
 
 
+def _cmd_serve(args) -> int:
+    from labkit.serve.server import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--check", action="store_true", help="exit 1 if a figure misses its target")
     bench.set_defaults(func=_cmd_bench)
+
+    from labkit.serve.server import add_arguments
+
+    serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI's API)")
+    add_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

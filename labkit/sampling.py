@@ -2,11 +2,14 @@
 
 The pipeline for one sequence at one decode step is
 
-    logits --repetition penalty--> --temperature--> --top-k--> --top-p--> --min-p--> softmax --> draw
+    logits --repetition penalty--> --presence/frequency penalties--> --temperature--> --top-k-->
+           --top-p--> --min-p--> softmax --> draw
 
-in that order, which is the order Hugging Face ``generate`` applies the same knobs in, so a
-request gives the same distribution here as there. Each processor is a plain function from a
-``[V]`` or ``[B, V]`` float tensor to a *new* tensor; filtered tokens get ``-inf``.
+in that order, which is the order Hugging Face ``generate`` applies the knobs it shares with
+us in, so a request gives the same distribution here as there; OpenAI's presence and
+frequency penalties, which Hugging Face lacks, go where vLLM puts them. Each processor is a
+plain function from a ``[V]`` or ``[B, V]`` float tensor to a *new* tensor; filtered tokens
+get ``-inf``.
 
 Randomness is per (request seed, step): the token at step ``k`` of a request with seed ``s``
 is a deterministic function of the logits and of one uniform drawn from stream ``(s, k)``.
@@ -31,6 +34,7 @@ import torch
 __all__ = [
     "SamplingParams",
     "apply_repetition_penalty",
+    "apply_presence_frequency_penalties",
     "apply_temperature",
     "apply_top_k",
     "apply_top_p",
@@ -45,6 +49,7 @@ __all__ = [
 ]
 
 _U64 = 1 << 64
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _SCHEMES = ("independent", "naive")
 
 
@@ -85,10 +90,22 @@ class SamplingParams:
     """How to pick the next token of one request.
 
     ``temperature == 0`` means greedy (argmax, lowest token id on ties); the other knobs are
-    off at their defaults (``top_k=0``, ``top_p=1``, ``min_p=0``, ``repetition_penalty=1``).
-    ``seed=None`` means nondeterministic sampling. ``stop``, ``stop_token_ids`` and
-    ``ignore_eos`` are carried here for the engine's stopping logic; sampling ignores them.
-    Lists given for ``stop``/``stop_token_ids`` are stored as tuples so the params stay hashable.
+    off at their defaults (``top_k=0``, ``top_p=1``, ``min_p=0``, ``repetition_penalty=1``,
+    ``presence_penalty=0``, ``frequency_penalty=0``). ``seed=None`` means nondeterministic
+    sampling. ``stop``, ``stop_token_ids`` and ``ignore_eos`` are carried here for the
+    engine's stopping logic; sampling ignores them. Lists given for ``stop``/``stop_token_ids``
+    are stored as tuples so the params stay hashable.
+
+    ``presence_penalty`` and ``frequency_penalty`` (each in [-2, 2]) are OpenAI's: they count
+    the sample's *output* tokens only (see ``apply_presence_frequency_penalties``), whereas
+    ``repetition_penalty`` also looks at the prompt.
+
+    ``logprobs`` asks the engine to report, for every output token, its log-probability and
+    the ``logprobs`` (0 to 20) most likely alternatives; ``None`` computes nothing. These
+    are *raw* log-probabilities: ``log_softmax`` of the model's logits for that position,
+    in float32, before any penalty, temperature or filter (vLLM's default), so they describe
+    the model, not the sampler. The alternatives are the largest raw log-probabilities in
+    descending order, lower token id first on ties, as ``(token_id, logprob)`` pairs.
     """
 
     temperature: float = 1.0
@@ -101,6 +118,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ (e.g. temperature=0 -> 0.0).
@@ -130,6 +150,10 @@ class SamplingParams:
         put("stop_token_ids", tuple(_check_int("stop_token_ids[i]", t, low=0) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _check_real(name, getattr(self, name), low=-2.0, high=2.0))
+        if self.logprobs is not None:
+            put("logprobs", _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS + 1))
 
     @property
     def greedy(self) -> bool:
@@ -145,21 +169,28 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError("logits must be a 1-D [V] or 2-D [B, V] floating-point tensor")
 
 
-def _seen_mask(logits: torch.Tensor, seen_token_ids) -> torch.Tensor:
-    """Boolean mask shaped like ``logits``: True where the token id was seen (prompt + output)."""
+def _token_counts(logits: torch.Tensor, token_ids, name: str) -> torch.Tensor:
+    """How often each token id occurs in ``token_ids`` (one id sequence per row of 2-D
+    logits), as a tensor shaped like ``logits`` with its dtype and device."""
     vocab = logits.shape[-1]
-    rows = [seen_token_ids] if logits.dim() == 1 else list(seen_token_ids)
+    rows = [token_ids] if logits.dim() == 1 else list(token_ids)
     if logits.dim() == 2 and len(rows) != logits.shape[0]:
-        raise ValueError(f"seen_token_ids has {len(rows)} rows but logits has {logits.shape[0]}")
-    mask = torch.zeros((len(rows), vocab), dtype=torch.bool, device=logits.device)
+        raise ValueError(f"{name} has {len(rows)} rows but logits has {logits.shape[0]}")
+    counts = torch.zeros((len(rows), vocab), dtype=logits.dtype, device=logits.device)
     for row, ids in enumerate(rows):
         ids = torch.as_tensor(ids if isinstance(ids, torch.Tensor) else list(ids), dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             continue
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"seen token ids must be in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
-        mask[row, ids.to(logits.device)] = True  # duplicates are fine: the penalty applies once per token
-    return mask.reshape(logits.shape)
+            raise ValueError(f"{name} must be in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
+        counts[row] = torch.bincount(ids, minlength=vocab).to(counts)
+    return counts.reshape(logits.shape)
+
+
+def _seen_mask(logits: torch.Tensor, seen_token_ids) -> torch.Tensor:
+    """Boolean mask shaped like ``logits``: True where the token id was seen (prompt + output)."""
+    # Duplicates are fine: the repetition penalty applies once per distinct token.
+    return _token_counts(logits, seen_token_ids, "seen_token_ids") > 0
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_token_ids, penalty: float) -> torch.Tensor:
@@ -177,6 +208,26 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_token_ids, penalty: floa
     seen = _seen_mask(logits, seen_token_ids)
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor, output_token_ids, presence_penalty: float, frequency_penalty: float
+) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties (each in [-2, 2]).
+
+    ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``, where
+    ``count[j]`` is how often token ``j`` occurs in the sample's output so far. The prompt
+    does not count: that is OpenAI's documented formula and what vLLM does. Positive values
+    discourage repeats (the frequency term more so the more often a token recurs), negative
+    ones encourage them. For 2-D logits pass one id sequence per row.
+    """
+    _check_logits(logits)
+    presence_penalty = _check_real("presence_penalty", presence_penalty, low=-2.0, high=2.0)
+    frequency_penalty = _check_real("frequency_penalty", frequency_penalty, low=-2.0, high=2.0)
+    if (presence_penalty == 0.0 and frequency_penalty == 0.0) or output_token_ids is None:
+        return logits.clone()
+    counts = _token_counts(logits, output_token_ids, "output_token_ids")
+    return logits - (counts * frequency_penalty + (counts > 0).to(logits.dtype) * presence_penalty)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -243,19 +294,33 @@ def _greedy_mask(logits: torch.Tensor) -> torch.Tensor:
     return out.scatter(-1, winner, logits.gather(-1, winner))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, seen_token_ids=None) -> torch.Tensor:
-    """Apply ``params`` to raw logits: repetition penalty, temperature, top-k, top-p, min-p.
+def _has_output_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
-    The order is Hugging Face's. It matters: top-p after temperature sees the sharpened (or
-    flattened) distribution, and min-p after top-p leaves the nucleus unchanged whereas the
-    reverse would not. Logits are upcast to at least float32 first. Under greedy params only
-    the repetition penalty applies (the filters always keep the argmax) and everything but
-    the argmax is set to -inf, so a softmax of the result is the greedy one-hot.
+
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, seen_token_ids=None, *, output_token_ids=None
+) -> torch.Tensor:
+    """Apply ``params`` to raw logits: repetition penalty (over ``seen_token_ids``, prompt and
+    output), presence/frequency penalties (over ``output_token_ids``, the output only),
+    temperature, top-k, top-p, min-p.
+
+    The order is Hugging Face's, with the OpenAI penalties where vLLM applies them. It
+    matters: top-p after temperature sees the sharpened (or flattened) distribution, and
+    min-p after top-p leaves the nucleus unchanged whereas the reverse would not. Logits are
+    upcast to at least float32 first. Under greedy params only the penalties apply (the
+    filters always keep the argmax) and everything but the argmax is set to -inf, so a
+    softmax of the result is the greedy one-hot. A penalty whose token ids are ``None`` is
+    skipped.
     """
     _check_logits(logits)
     out = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if params.repetition_penalty != 1.0 and seen_token_ids is not None:
         out = apply_repetition_penalty(out, seen_token_ids, params.repetition_penalty)
+    if _has_output_penalties(params) and output_token_ids is not None:
+        out = apply_presence_frequency_penalties(
+            out, output_token_ids, params.presence_penalty, params.frequency_penalty
+        )
     if params.greedy:
         return _greedy_mask(out)
     if params.temperature != 1.0:
@@ -266,9 +331,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen_token_ids=
     return out
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams, seen_token_ids=None) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor, params: SamplingParams, seen_token_ids=None, *, output_token_ids=None
+) -> torch.Tensor:
     """The distribution ``sample`` draws from: softmax of ``process_logits`` (one-hot if greedy)."""
-    return torch.softmax(process_logits(logits, params, seen_token_ids), dim=-1)
+    return torch.softmax(process_logits(logits, params, seen_token_ids, output_token_ids=output_token_ids), dim=-1)
 
 
 # --------------------------------------------------------------------------- random streams
@@ -358,12 +425,15 @@ def sample(
     seed: int | None,
     step: int,
     seen_token_ids=None,
+    output_token_ids=None,
     generator: torch.Generator | None = None,
     scheme: str = "independent",
 ) -> int:
     """Pick the next token for one sequence from its ``[V]`` logits.
 
-    Greedy params: the argmax of the (repetition-penalised) logits, lowest id on ties; seeds
+    ``seen_token_ids`` (prompt + output) feed the repetition penalty, ``output_token_ids``
+    (output only) the presence and frequency penalties.
+    Greedy params: the argmax of the (penalised) logits, lowest id on ties; seeds
     are ignored. Otherwise: process the logits, softmax, and invert the CDF at ONE uniform
     from stream ``(seed, step)``, so a token depends only on its own request and step. An
     explicit ``generator`` overrides the stream; ``seed=None`` uses a fresh nondeterministic
@@ -374,8 +444,8 @@ def sample(
         raise ValueError("sample takes 1-D [V] logits; use sample_batch for [B, V]")
     step = _check_int("step", step, low=0, high=_U64)
     if params.greedy:
-        return int(torch.argmax(process_logits(logits, params, seen_token_ids)))
-    probs = probabilities(logits, params, seen_token_ids)
+        return int(torch.argmax(process_logits(logits, params, seen_token_ids, output_token_ids=output_token_ids)))
+    probs = probabilities(logits, params, seen_token_ids, output_token_ids=output_token_ids)
     gen = generator if generator is not None else _generator(seed, step, scheme)
     u = torch.tensor(_uniform(gen), dtype=torch.float64)
     return int(_inverse_cdf(probs.cpu(), u))
@@ -388,9 +458,13 @@ def sample_batch(
     steps: Sequence[int],
     seen_list: Sequence | None = None,
     *,
+    output_token_ids: Sequence | None = None,
     scheme: str = "independent",
 ) -> list[int]:
     """``sample`` for each row of ``[B, V]`` logits; row ``i`` gives exactly ``sample(logits[i], ...)``.
+
+    ``seen_list`` and ``output_token_ids`` hold one id sequence (or ``None``) per row, for the
+    repetition penalty and the presence/frequency penalties respectively.
 
     When every row shares one ``SamplingParams`` (the common case) the processors run once on
     the whole batch; the uniforms still come from one stream per (seed, step) row.
@@ -400,20 +474,29 @@ def sample_batch(
         raise ValueError("sample_batch takes 2-D [B, V] logits")
     batch = logits.shape[0]
     seen_list = [None] * batch if seen_list is None else list(seen_list)
+    outputs = [None] * batch if output_token_ids is None else list(output_token_ids)
     params_list, seeds, steps = list(params_list), list(seeds), list(steps)
-    for name, seq in (("params_list", params_list), ("seeds", seeds), ("steps", steps), ("seen_list", seen_list)):
+    for name, seq in (("params_list", params_list), ("seeds", seeds), ("steps", steps), ("seen_list", seen_list),
+                      ("output_token_ids", outputs)):
         if len(seq) != batch:
             raise ValueError(f"{name} has {len(seq)} entries but logits has {batch} rows")
     steps = [_check_int("step", s, low=0, high=_U64) for s in steps]
 
-    if all(p == params_list[0] for p in params_list) and (
-        params_list[0].repetition_penalty == 1.0 or all(s is not None for s in seen_list)
+    # One batched pass is only equal to the row-wise one when no row would skip a penalty
+    # (ids None) that another row applies.
+    first = params_list[0]
+    if (
+        all(p == first for p in params_list)
+        and (first.repetition_penalty == 1.0 or all(s is not None for s in seen_list))
+        and (not _has_output_penalties(first) or all(o is not None for o in outputs))
     ):
-        params = params_list[0]
-        seen = seen_list if params.repetition_penalty != 1.0 else None
-        probs = probabilities(logits, params, seen)
+        seen = seen_list if first.repetition_penalty != 1.0 else None
+        out_ids = outputs if _has_output_penalties(first) else None
+        probs = probabilities(logits, first, seen, output_token_ids=out_ids)
     else:
-        probs = torch.stack([probabilities(logits[i], params_list[i], seen_list[i]) for i in range(batch)])
+        probs = torch.stack([
+            probabilities(logits[i], params_list[i], seen_list[i], output_token_ids=outputs[i]) for i in range(batch)
+        ])
 
     # Greedy rows have one-hot probs; an inverse CDF then returns the argmax whatever the uniform,
     # but skipping the draw keeps greedy rows from touching any generator.

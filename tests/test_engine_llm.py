@@ -208,6 +208,7 @@ def test_random_add_step_abort_sequences_never_leak_a_block(tiny, data):
     assert eng.stats().blocks_used == 0  # cached blocks left behind count as free
     for rid, ids in expected.items():
         out = eng.output(rid)
-        if out.samples[0].finish_reason != "abort":
-            want = solo_greedy(tiny, ids, len(out.token_ids))
-            assert all(s.token_ids == want for s in out.samples)
+        # An abort may land after some samples finished: every sample, finished or cut off,
+        # is a prefix of the solo greedy run.
+        want = solo_greedy(tiny, ids, max(len(s.token_ids) for s in out.samples))
+        assert all(s.token_ids == want[:len(s.token_ids)] for s in out.samples)

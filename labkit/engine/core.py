@@ -5,6 +5,10 @@
     stream.close()      --AbortRequest-> ]--> to each request's own queue; a finished request
                                                is released and its stream gets the output
 
+A request's events go to its `Sink`: a `RequestStream` (a blocking queue, for threads) from
+`add`, or any object with `put` given to `submit` (the HTTP service's worker forwards them
+to another process; its in-process mode hands them to an asyncio loop).
+
 Only the loop touches the engine: `add` and `abort` are messages it applies at the start of
 its next iteration, so a client never waits on a step and a step never waits on a client.
 A prompt is checked in the caller's thread (`LLMEngine.check_request`), so bad input is a
@@ -23,9 +27,9 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence as Seq
+from typing import Iterator, Protocol, Sequence as Seq
 
-from labkit.engine.llm_engine import LLMEngine, RequestOutput, TokenEvent
+from labkit.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, TokenEvent
 from labkit.sampling import SamplingParams
 
 
@@ -49,6 +53,13 @@ class StreamEnd:
 
     output: RequestOutput | None
     error: BaseException | None = None
+
+
+class Sink(Protocol):
+    """Where one request's items go, in order: its `TokenEvent`s, then one `StreamEnd`.
+    Called on the core's loop thread, so it must not block."""
+
+    def put(self, item: TokenEvent | StreamEnd) -> None: ...
 
 
 class RequestStream:
@@ -81,7 +92,7 @@ class RequestStream:
         if not self.finished:
             self._core.abort(self.request_id)
 
-    def _put(self, item: TokenEvent | StreamEnd) -> None:
+    def put(self, item: TokenEvent | StreamEnd) -> None:
         self._items.put(item)
 
 
@@ -89,12 +100,13 @@ class EngineCore:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()          # guards _streams between callers and the loop
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()          # guards _sinks between callers and the loop
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.stats: EngineStats = engine.stats()  # a snapshot, replaced after every step
 
     # -- commands (any thread) ----------------------------------------------------------------
     def add(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
@@ -103,14 +115,20 @@ class EngineCore:
         (nothing is queued then)."""
         params = params or SamplingParams(temperature=0.0)
         ids = self.engine.check_request(prompt, params, n=n)
-        with self._lock:
-            request_id = f"core-{next(self._ids)}" if request_id is None else str(request_id)
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            stream = self._streams[request_id] = RequestStream(request_id, self)
-        self._commands.put(AddRequest(request_id, ids, params, n, cache_salt))
-        self._wake.set()
+        request_id = f"core-{next(self._ids)}" if request_id is None else str(request_id)
+        stream = RequestStream(request_id, self)
+        self.submit(AddRequest(request_id, ids, params, n, cache_salt), stream)
         return stream
+
+    def submit(self, command: AddRequest, sink: Sink) -> None:
+        """Queue an already checked request whose items go to `sink`. ValueError if its id
+        is in use (nothing is queued then)."""
+        with self._lock:
+            if command.request_id in self._sinks:
+                raise ValueError(f"request id {command.request_id!r} is already in use")
+            self._sinks[command.request_id] = sink
+        self._commands.put(command)
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
@@ -119,7 +137,7 @@ class EngineCore:
     @property
     def open_requests(self) -> int:
         with self._lock:
-            return len(self._streams)
+            return len(self._sinks)
 
     # -- the loop (one thread) ----------------------------------------------------------------
     def run_once(self) -> bool:
@@ -131,6 +149,7 @@ class EngineCore:
         except Exception as error:  # a failed step must not strand its requests' blocks
             self._fail_all(error)
             return False
+        self.stats = self.engine.stats()
         self._route(events)
         return self.engine.has_unfinished()
 
@@ -153,7 +172,7 @@ class EngineCore:
             self._thread.join(timeout)
             self._thread = None
         with self._lock:
-            open_ids = list(self._streams)
+            open_ids = list(self._sinks)
         for request_id in open_ids:
             self.abort(request_id)
         self._apply_commands()
@@ -183,12 +202,12 @@ class EngineCore:
 
     def _route(self, events: list[TokenEvent]) -> None:
         with self._lock:
-            streams = dict(self._streams)
+            sinks = dict(self._sinks)
         finished = set()
         for event in events:
-            stream = streams.get(event.request_id)
-            if stream is not None:
-                stream._put(event)
+            sink = sinks.get(event.request_id)
+            if sink is not None:
+                sink.put(event)
             if event.finished:
                 finished.add(event.request_id)
         for request_id in finished:
@@ -201,9 +220,9 @@ class EngineCore:
 
     def _end(self, request_id: str, end: StreamEnd) -> None:
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream._put(end)
+            sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(end)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.engine.requests):

@@ -23,8 +23,9 @@ from typing import Callable, Iterator, Sequence as Seq
 from labkit.engine.backends import backend_for
 from labkit.engine.block_manager import BlockManager
 from labkit.engine.interfaces import Backend, ServedModel
+from labkit.engine.limits import EngineLimits
 from labkit.engine.output import OutputProcessor, encode_prompt
-from labkit.engine.runner import ModelRunner
+from labkit.engine.runner import ModelRunner, SampledToken
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.sequence import Sequence, Status
 from labkit.sampling import SamplingParams
@@ -56,6 +57,10 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
     time: float = 0.0
+    # Raw log-probability of token_id and the most likely alternatives, when the request
+    # asked for logprobs and a token was kept (see labkit.sampling.SamplingParams).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
@@ -64,6 +69,8 @@ class SampleOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[float] | None = None  # one per token id, when the request asked
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass
@@ -134,6 +141,7 @@ class LLMEngine:
         self.model = self.backend.prepare(model)
         self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
+        self.limits = EngineLimits(self.max_model_len, c.block_size, c.num_blocks, model.config.vocab_size)
         self.pool = self.backend.new_pool(model.config, c.num_blocks, c.block_size, model.dtype, model.device)
         self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
@@ -155,12 +163,7 @@ class LLMEngine:
         ids = encode_prompt(prompt, self.model.tokenizer, self.model.config.vocab_size)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
-        if -(-total // self.config.block_size) > self.blocks.num_blocks:
-            raise ValueError(f"{total} tokens need more KV blocks than the pool's {self.blocks.num_blocks}")
+        self.limits.check(len(ids), params.max_tokens)
         return ids
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
@@ -211,8 +214,8 @@ class LLMEngine:
         if not plan:
             return []
         samples = self._samples(plan)
-        tokens = self.runner.run(plan, samples)
-        events = self._postprocess(plan, samples, tokens)
+        sampled = self.runner.run(plan, samples)
+        events = self._postprocess(plan, samples, sampled)
         for event in events:
             kept = self._streams.get(event.request_id)
             if kept is not None:
@@ -238,7 +241,8 @@ class LLMEngine:
                     out.append((seq, child))
         return out
 
-    def _postprocess(self, plan, samples: list[tuple[Sequence, Sequence]], tokens: list[int]) -> list[TokenEvent]:
+    def _postprocess(self, plan, samples: list[tuple[Sequence, Sequence]],
+                     sampled: list[SampledToken]) -> list[TokenEvent]:
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_full_blocks(item.seq)
@@ -253,13 +257,17 @@ class LLMEngine:
                 self._record_transition(seq, None, Status.WAITING)
                 self.scheduler.add_running(seq)
         now = self.clock()
-        return [self._append(seq, token, now) for (_, seq), token in zip(samples, tokens)]
+        return [self._append(seq, token, now) for (_, seq), token in zip(samples, sampled)]
 
-    def _append(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+    def _append(self, seq: Sequence, sampled: SampledToken, now: float) -> TokenEvent:
         output = self.requests[seq.request_id].outputs[seq.sample_index]
-        delta = output.add(token)
-        if delta.token_id is not None:
-            seq.token_ids.append(token)
+        delta = output.add(sampled.token_id)
+        kept = delta.token_id is not None
+        if kept:
+            seq.token_ids.append(sampled.token_id)
+            if seq.logprobs is not None:
+                seq.logprobs.append(sampled.logprob)
+                seq.top_logprobs.append(sampled.top_logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
         seq.text = output.text
@@ -267,7 +275,8 @@ class LLMEngine:
             seq.finish_reason, seq.finish_time = delta.finish_reason, now
             self.scheduler.finish(seq)
         return TokenEvent(seq.request_id, seq.sample_index, delta.token_id, delta.text,
-                          delta.finish_reason is not None, delta.finish_reason, now)
+                          delta.finish_reason is not None, delta.finish_reason, now,
+                          sampled.logprob if kept else None, sampled.top_logprobs if kept else None)
 
     # -- results ------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:
@@ -276,7 +285,9 @@ class LLMEngine:
         finishes = [s.finish_time for s in r.seqs if s.finish_time is not None]
         return RequestOutput(
             r.request_id, r.prompt_token_ids,
-            [SampleOutput(s.sample_index, s.output_token_ids, s.text, s.finish_reason) for s in r.seqs],
+            [SampleOutput(s.sample_index, s.output_token_ids, s.text, s.finish_reason,
+                          None if s.logprobs is None else list(s.logprobs),
+                          None if s.top_logprobs is None else list(s.top_logprobs)) for s in r.seqs],
             r.arrival_time, min(firsts) if firsts else None,
             max(finishes) if r.done and finishes else None,
             r.seqs[0].num_cached_prompt_tokens, sum(s.preemptions for s in r.seqs))

@@ -112,7 +112,8 @@ def generate(model, prompt: str | list[int], params: SamplingParams | None = Non
 
     for step in range(params.max_tokens):
         t0 = time.perf_counter()
-        token = sample(logits, params, seed=params.seed, step=step, seen_token_ids=seen)
+        token = sample(logits, params, seed=params.seed, step=step, seen_token_ids=seen,
+                       output_token_ids=seen[len(prompt_ids):])
         timings.sample += record("sample", t0)
         seen.append(token)
         t0 = time.perf_counter()

@@ -3,19 +3,63 @@
 It turns a `StepPlan` into tensors (the new tokens of every scheduled sequence side by
 side, their positions, their slots), performs the plan's copy-on-write block copies,
 calls the model once through the backend's cache view, and samples one token for each
-sequence the engine asks for, beside the forward pass: what comes back is token ids, not
-logits. Every sequence samples from its own (seed, step) stream, so its tokens do not
-depend on which other sequences share the step.
+sequence the engine asks for, beside the forward pass: what comes back is token ids
+(`SampledToken`), not logits. Every sequence samples from its own (seed, step) stream, so
+its tokens do not depend on which other sequences share the step. A sequence whose params
+ask for `logprobs` also gets the raw log-probabilities of its token and of the most likely
+alternatives (see `labkit.sampling.SamplingParams`), computed here because only here are
+the logits at hand.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from labkit.engine.interfaces import Backend, KVPoolLike, ServedModel
 from labkit.engine.scheduler import StepPlan
 from labkit.engine.sequence import Sequence
-from labkit.sampling import sample_batch
+from labkit.sampling import SamplingParams, sample_batch
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token. `logprob` and `top_logprobs` are None unless the sequence's params
+    ask for logprobs; `top_logprobs` then holds `params.logprobs` (token_id, logprob) pairs,
+    most likely first."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """True when the token is the argmax of the raw logits: no penalty can move it."""
+    return (params.greedy and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+
+
+def _raw_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
+                  ) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """For each row of `logits`: the raw log-probability of `tokens[row]` and the `ks[row]`
+    most likely (token_id, logprob) pairs, lower id first on ties."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(ks), logprobs.shape[-1])
+    if k == 0:
+        return [(lp, ()) for lp in chosen]
+    # topk's order among equal values is unspecified, so take every id at least as likely as
+    # the k-th (all ties included) and order those few by a stable sort: ascending id within
+    # a value, since nonzero lists ids in ascending order.
+    kth = torch.topk(logprobs, k, dim=-1).values[:, -1:]
+    out = []
+    for row in range(logprobs.shape[0]):
+        ids = torch.nonzero(logprobs[row] >= kth[row]).squeeze(1)
+        values = logprobs[row, ids]
+        order = torch.sort(values, descending=True, stable=True).indices[:ks[row]]
+        out.append((chosen[row], tuple(zip(ids[order].tolist(), values[order].tolist()))))
+    return out
 
 
 class ModelRunner:
@@ -24,7 +68,7 @@ class ModelRunner:
         self.device = pool.device
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, samples: list[tuple[Sequence, Sequence]]) -> list[int]:
+    def run(self, plan: StepPlan, samples: list[tuple[Sequence, Sequence]]) -> list[SampledToken]:
         """Run the plan's tokens through the model; return one token for each pair
         (row owner, sample) of `samples`. The owner is a scheduled sequence whose tokens this
         step completes; the sample is it, or a sibling forked from it (n > 1), which draws
@@ -53,13 +97,24 @@ class ModelRunner:
         return self.sample([seq for _, seq in samples], logits)
 
     @staticmethod
-    def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
+        """One token for each sequence from its row of `logits` (raw, one row per sequence)."""
         if not seqs:
             return []
-        if all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
+        if all(_is_plain_greedy(s.params) for s in seqs):
             # What sample_batch returns for greedy rows (the argmax, lowest id on ties),
             # without building the one-hot distributions.
-            return logits.argmax(dim=-1).tolist()
-        seen = [seq.token_ids if seq.params.repetition_penalty != 1.0 else None for seq in seqs]
-        return sample_batch(logits.cpu(), [s.params for s in seqs], [s.sampling_seed for s in seqs],
-                            [len(s.output_token_ids) for s in seqs], seen)
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            seen = [s.token_ids if s.params.repetition_penalty != 1.0 else None for s in seqs]
+            outputs = [s.output_token_ids if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+                       else None for s in seqs]
+            tokens = sample_batch(logits.cpu(), [s.params for s in seqs], [s.sampling_seed for s in seqs],
+                                  [len(s.output_token_ids) for s in seqs], seen, output_token_ids=outputs)
+        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asking:
+            return [SampledToken(t) for t in tokens]
+        rows = logits if len(asking) == len(seqs) else logits[torch.tensor(asking, device=logits.device)]
+        found = _raw_logprobs(rows, [tokens[i] for i in asking], [seqs[i].params.logprobs for i in asking])
+        extra = dict(zip(asking, found))
+        return [SampledToken(t, *extra[i]) if i in extra else SampledToken(t) for i, t in enumerate(tokens)]

@@ -49,10 +49,20 @@ class Sequence:
     finish_reason: str | None = None    # "stop", "length" or "abort"
     preemptions: int = 0
     text: str = ""                      # detokenized output, stop strings cut off
+    # One entry per output token when params.logprobs is set, else None. Appended only with
+    # a kept token; a preempted sequence keeps its output, so they stay aligned through a
+    # recompute (which samples nothing until it reaches the end of that output).
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            if self.top_logprobs is None:
+                self.top_logprobs = []
 
     # -- sizes ---------------------------------------------------------------------------
     @property

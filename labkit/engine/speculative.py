@@ -151,6 +151,9 @@ def speculative_generate(model: Llama, prompt_ids: list[int], params: SamplingPa
     distribution. Random draws come from one stream per (seed, verification)."""
     if k < 1:
         raise ValueError("lookahead k must be at least 1")
+    if params.presence_penalty or params.frequency_penalty or params.logprobs is not None:
+        # Each guessed position has its own output history; the verifier scores them together.
+        raise ValueError("speculative_generate takes no presence/frequency penalty and no logprobs")
     stats = SpecStats()
     stop = set(params.stop_token_ids)
     eos = model.tokenizer.eos_token_id if model.tokenizer is not None else None

@@ -1,0 +1,387 @@
+"""The HTTP front end: OpenAI's routes in front of an `EngineClient`.
+
+    POST /v1/completions, POST /v1/chat/completions   (JSON, or Server-Sent Events with stream)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
+
+A request is read with a size limit, parsed and checked (`labkit.serve.protocol`),
+tokenized, and checked against the engine's limits before anything is submitted, so a bad
+request costs no engine work and gets a 4xx in one shape (`labkit.serve.errors`). Each
+prompt becomes one engine request with `n` samples. A client that goes away, streaming or
+not, has its requests aborted at once; the engine frees their KV blocks in its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from labkit.engine.output import encode_prompt
+from labkit.sampling import SamplingParams
+from labkit.serve import responses
+from labkit.serve.engine_client import (SLOW_READER_POLICIES, EngineClient, EngineFailure, EngineRequest,
+                                        EngineUnavailable, ResultStream)
+from labkit.serve.errors import APIError, install_error_handlers, invalid
+from labkit.serve.metrics import ServiceMetrics
+from labkit.serve.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                   check_content_type, parse_json_body, validate)
+
+log = logging.getLogger("labkit.serve")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+@dataclass
+class ServeSettings:
+    model_name: str
+    max_body_bytes: int = 1 << 20
+    api_keys: list[str] = field(default_factory=list)   # empty: no authentication
+    max_buffered_events: int = 1024                     # per stream, before the slow-reader policy
+    slow_reader: str = "abort"
+    retry_after_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.slow_reader not in SLOW_READER_POLICIES:
+            raise ValueError(f"slow_reader must be one of {SLOW_READER_POLICIES}")
+
+
+def tenant_of(api_key: str | None) -> str | None:
+    """A tenant's prefix-cache scope, derived from its key (the key itself is never stored)."""
+    return None if api_key is None else "tenant-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def cache_scope(tenant: str | None, cache_salt: str | None) -> str | None:
+    if tenant is None:
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
+
+
+def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastAPI:
+    metrics = ServiceMetrics(client)
+    token_text = responses.TokenText(tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.stop()
+
+    app = FastAPI(title="labkit", lifespan=lifespan)
+    app.state.client, app.state.metrics, app.state.settings = client, metrics, settings
+    install_error_handlers(app)
+
+    def authenticate(request: Request) -> str | None:
+        if not settings.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(401, "an API key is needed: send Authorization: Bearer <key>", "missing_api_key")
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in settings.api_keys):
+            raise APIError(401, "the API key is not valid", "invalid_api_key")
+        return key
+
+    async def read_body(request: Request) -> dict:
+        check_content_type(request.headers.get("content-type"))
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise invalid("Content-Length is not a number", code="invalid_header")
+            if int(declared) > settings.max_body_bytes:
+                raise APIError(413, f"the body is {declared} bytes; the limit is {settings.max_body_bytes}",
+                               "body_too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > settings.max_body_bytes:
+                raise APIError(413, f"the body exceeds the limit of {settings.max_body_bytes} bytes",
+                               "body_too_large")
+        return parse_json_body(bytes(raw))
+
+    def check_model(name: str) -> None:
+        if name != settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{settings.model_name!r}", "model_not_found", "model")
+
+    def sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if fields.temperature is None else fields.temperature,
+            top_p=1.0 if fields.top_p is None else fields.top_p,
+            top_k=fields.top_k or 0, min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed,
+            stop=fields.stop_strings, presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs)
+
+    def check_size(prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        if client.limits is None:
+            raise APIError(503, "the engine is starting", "engine_unavailable",
+                           retry_after=settings.retry_after_seconds)
+        try:
+            client.limits.check(len(prompt_ids), max_tokens)
+        except ValueError as error:
+            raise APIError(400, str(error), "context_length_exceeded", param) from None
+
+    def submit(request_id: str, ids: list[int], params: SamplingParams, n: int, salt: str | None) -> ResultStream:
+        try:
+            return client.submit(EngineRequest(request_id, ids, params, n, salt),
+                                 max_buffered=settings.max_buffered_events, policy=settings.slow_reader)
+        except EngineUnavailable as error:
+            raise APIError(503, str(error), "engine_unavailable", retry_after=settings.retry_after_seconds) from None
+
+    def encode(prompt, param: str) -> list[int]:
+        try:
+            return encode_prompt(prompt, tokenizer, client.limits.vocab_size if client.limits else None)
+        except ValueError as error:
+            raise invalid(str(error), param) from None
+
+    # -- routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        state = client.health()
+        return JSONResponse({"status": "ok" if client.ready else "starting", **state},
+                            status_code=200 if client.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "labkit",
+                "max_model_len": client.limits.max_model_len if client.limits else None}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authenticate(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        authenticate(request)
+        check_model(name)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.perf_counter()
+        try:
+            key = authenticate(request)
+            fields: CompletionRequest = validate(CompletionRequest, await read_body(request))
+            check_model(fields.model)
+            prompts = fields.prompt
+            if isinstance(prompts, str) or isinstance(prompts[0], int):
+                prompts = [prompts]
+            encoded = [encode(p, "prompt") for p in prompts]
+            max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+            for ids in encoded:
+                check_size(ids, max_tokens, "prompt")
+            params = sampling(fields, max_tokens, fields.logprobs)
+            response_id = f"cmpl-{uuid.uuid4().hex}"
+            salt = cache_scope(tenant_of(key), fields.cache_salt)
+            n = fields.n or 1
+            streams = [submit(f"{response_id}-{p}", ids, params, n, salt) for p, ids in enumerate(encoded)]
+        except APIError as error:
+            metrics.count("completions", "refused" if error.status in (429, 503) else "client_error")
+            raise
+        call = _Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
+                     fields.logprobs is not None, arrival, metrics, token_text, fields.user)
+        if fields.stream:
+            usage = bool(fields.stream_options and fields.stream_options.include_usage)
+            return call.stream(request, chat=False, include_usage=usage)
+        return await call.answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.perf_counter()
+        try:
+            key = authenticate(request)
+            fields: ChatCompletionRequest = validate(ChatCompletionRequest, await read_body(request))
+            check_model(fields.model)
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                        for m in fields.messages]
+            try:
+                ids = tokenizer.encode_chat(messages)
+            except ValueError as error:
+                raise invalid(str(error), "messages") from None
+            ids = encode(ids, "messages")
+            limit = fields.max_completion_tokens or fields.max_tokens
+            max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
+            check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages")
+            logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
+            params = sampling(fields, max_tokens, logprobs)
+            response_id = f"chatcmpl-{uuid.uuid4().hex}"
+            salt = cache_scope(tenant_of(key), fields.cache_salt)
+            n = fields.n or 1
+            streams = [submit(response_id, ids, params, n, salt)]
+        except APIError as error:
+            metrics.count("chat", "refused" if error.status in (429, 503) else "client_error")
+            raise
+        call = _Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
+                     logprobs is not None, arrival, metrics, token_text, fields.user)
+        if fields.stream:
+            usage = bool(fields.stream_options and fields.stream_options.include_usage)
+            return call.stream(request, chat=True, include_usage=usage)
+        return await call.answer(request, chat=True)
+
+    return app
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _failure_error(error: BaseException) -> APIError:
+    if isinstance(error, ValueError):
+        return invalid(str(error))
+    if isinstance(error, EngineFailure) and error.client_error:
+        return APIError(400, str(error), error.code)
+    return APIError(503, str(error), getattr(error, "code", "engine_failure"), retry_after=1.0)
+
+
+@dataclass
+class _Call:
+    """One HTTP request's engine requests, answered whole or as a stream."""
+
+    route: str
+    response_id: str
+    created: int
+    model: str
+    streams: list[ResultStream]
+    n: int
+    logprobs: bool
+    arrival: float
+    metrics: ServiceMetrics
+    tokens: responses.TokenText
+    user: str | None = None
+
+    def finish(self, outcome: str) -> None:
+        self.metrics.count(self.route, outcome)
+        if outcome == "ok":
+            self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+        log.info("%s %s outcome=%s user=%s prompt_tokens=%s seconds=%.3f", self.route, self.response_id, outcome,
+                 self.user, [len(s.request.prompt_token_ids) for s in self.streams],
+                 time.perf_counter() - self.arrival)
+
+    def abort_all(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    async def _events(self):
+        """(choice index, event) from every stream, in the order they arrive."""
+        pending = {asyncio.ensure_future(s.next()): p for p, s in enumerate(self.streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    p = pending.pop(task)
+                    event = task.result()
+                    if event is not None:
+                        yield p * self.n + event.index, event
+                        pending[asyncio.ensure_future(self.streams[p].next())] = p
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _collect(self) -> None:
+        first = None
+        async for _, event in self._events():
+            if first is None and event.token_id is not None:
+                first = time.perf_counter()
+                self.metrics.ttft.observe(first - self.arrival)
+
+    async def answer(self, request: Request, *, chat: bool) -> JSONResponse:
+        work = asyncio.ensure_future(self._collect())
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            self.abort_all()
+            self.finish("cancelled")
+            return JSONResponse({}, status_code=499)  # nobody is listening; nothing is sent
+        try:
+            work.result()
+        except (EngineFailure, ValueError) as error:
+            self.finish("client_error" if _failure_error(error).status < 500 else "failed")
+            return _failure_error(error).response()
+        outputs = [s.output for s in self.streams]
+        tokens = self.tokens if self.logprobs else None
+        if chat:
+            body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
+        else:
+            body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
+        self.finish("ok")
+        return JSONResponse(body, headers={"X-Request-Id": self.response_id})
+
+    def stream(self, request: Request, *, chat: bool, include_usage: bool) -> StreamingResponse:
+        return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
+                                 headers={"X-Request-Id": self.response_id, "Cache-Control": "no-cache"})
+
+    def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
+        logprobs = None
+        if self.logprobs and event.token_id is not None:
+            top = [event.top_logprobs or ()]
+            logprobs = (responses.chat_logprobs(self.tokens, [event.token_id], [event.logprob], top) if chat else
+                        responses.completion_logprobs(self.tokens, [event.token_id], [event.logprob], top,
+                                                      text_so_far))
+        if not event.text and not event.finished and logprobs is None:
+            return None
+        reason = event.finish_reason if event.finished else None
+        if chat:
+            delta = {"content": event.text} if event.text or logprobs else {}
+            return responses.chat_chunk(self.response_id, self.created, self.model, index, delta, reason, logprobs)
+        return responses.completion_chunk(self.response_id, self.created, self.model, index, event.text,
+                                          reason, logprobs)
+
+    async def _sse(self, chat: bool, include_usage: bool):
+        outcome = "cancelled"
+        last: dict[int, float] = {}
+        lengths: dict[int, int] = {}
+        try:
+            if chat:
+                for index in range(self.n):
+                    role = {"role": "assistant", "content": ""}
+                    yield _sse(responses.chat_chunk(self.response_id, self.created, self.model, index, role, None))
+            async for index, event in self._events():
+                now = time.perf_counter()
+                if event.token_id is not None:
+                    if not last:
+                        self.metrics.ttft.observe(now - self.arrival)
+                    elif index in last:
+                        self.metrics.inter_token.observe(now - last[index])
+                    last[index] = now
+                chunk = self._chunk(chat, index, event, lengths.get(index, 0))
+                lengths[index] = lengths.get(index, 0) + len(event.text)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                outputs = [s.output for s in self.streams]
+                yield _sse(responses.usage_chunk(self.response_id, self.created, self.model, obj, outputs))
+            outcome = "ok"
+        except (EngineFailure, ValueError) as error:
+            answer = _failure_error(error)
+            outcome = "client_error" if answer.status < 500 else "failed"
+            yield _sse(answer.body())
+        finally:
+            self.abort_all()
+            self.finish(outcome)
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,172 @@
+"""`labkit serve`: build the engine client and the app, and run uvicorn until stopped.
+
+The listening socket is bound here, before uvicorn starts, so `--port 0` gets a free port
+and the line printed once the server accepts connections names the real one:
+
+    labkit serve: http://127.0.0.1:8000 (model smollm2-135m, engine worker pid 12345)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from labkit.serve.app import ServeSettings, build_app
+from labkit.serve.engine_client import InProcessEngine
+from labkit.serve.worker import WorkerEngine, WorkerSpec
+
+
+def read_api_keys(path: str | Path) -> list[str]:
+    """One key per line; blank lines and lines starting with # are skipped."""
+    keys = [line.strip() for line in Path(path).read_text().splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise ValueError(f"{path} holds no API key")
+    return keys
+
+
+def engine_fields(args) -> dict:
+    fields = {"kv_cache_tokens": args.kv_cache_tokens, "block_size": args.block_size,
+              "prefix_caching": not args.no_prefix_caching, "fast_kernels": not args.reference_kernels}
+    if args.max_model_len:
+        fields["max_model_len"] = args.max_model_len
+    return fields
+
+
+def make_client(args):
+    if args.in_process:
+        import torch
+
+        from labkit.engine.llm_engine import EngineConfig, LLMEngine
+        from labkit.models import load_model
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return InProcessEngine(LLMEngine(load_model(args.model), EngineConfig(**engine_fields(args))))
+    return WorkerEngine(WorkerSpec(args.model, args.threads, engine_fields(args)))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _announce(server: uvicorn.Server, url: str, client) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.05)
+    pid = getattr(client, "worker_pid", None)
+    where = f"engine worker pid {pid}" if pid else "engine in process"
+    print(f"labkit serve: {url} (model {client_model(client)}, {where})", flush=True)
+
+
+def client_model(client) -> str:
+    spec = getattr(client, "spec", None)
+    return spec.model if spec is not None else "in-process"
+
+
+def serve(args) -> int:
+    from labkit.models.loader import load_tokenizer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+
+    settings = ServeSettings(model_name=args.model, max_body_bytes=args.max_body_bytes,
+                             api_keys=read_api_keys(args.api_key_file) if args.api_key_file else [],
+                             max_buffered_events=args.max_buffered_events, slow_reader=args.slow_reader)
+    client = make_client(args)
+    app = build_app(client, load_tokenizer(args.model), settings)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on",
+                                           timeout_graceful_shutdown=5))
+
+    async def main() -> None:
+        announce = asyncio.create_task(_announce(server, url, client))
+        await server.serve(sockets=[sock])
+        announce.cancel()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """An app served by uvicorn on a thread of this process (notebooks, tests):
+
+        with BackgroundServer(build_app(InProcessEngine(engine), tokenizer, settings)) as server:
+            httpx.get(server.url + "/health")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 120.0):
+        self.app, self.start_timeout = app, start_timeout
+        self.sock = bind(host, port)
+        bound_host, bound_port = self.sock.getsockname()[:2]
+        self.url = f"http://{bound_host}:{bound_port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       name="labkit-serve", daemon=True)
+
+    def __enter__(self) -> "BackgroundServer":
+        self.thread.start()
+        deadline = threading.Event()
+        for _ in range(int(self.start_timeout / 0.05)):
+            if self.server.started or not self.thread.is_alive():
+                break
+            deadline.wait(0.05)
+        if not self.server.started:
+            self.close()
+            raise RuntimeError("the server did not start")
+        return self
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def add_arguments(parser) -> None:
+    from labkit.engine.llm_engine import EngineConfig
+    from labkit.serve.engine_client import SLOW_READER_POLICIES
+
+    defaults = EngineConfig()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL names it)")
+    parser.add_argument("--api-key-file", help="one key per line; without it, no authentication")
+    parser.add_argument("--threads", type=int, help="torch threads in the engine")
+    parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--reference-kernels", action="store_true", help="F.linear and SDPA, not the C kernels")
+    parser.add_argument("--in-process", action="store_true", help="run the engine in the server's process")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-buffered-events", type=int, default=1024,
+                        help="events a stream may hold for a slow reader before --slow-reader applies")
+    parser.add_argument("--slow-reader", choices=SLOW_READER_POLICIES, default="abort")
+    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+if __name__ == "__main__":
+    sys.exit("run `labkit serve`")

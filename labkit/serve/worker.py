@@ -1,0 +1,293 @@
+"""The engine in its own process, and the front end's handle on it.
+
+    front end (uvicorn's event loop)                     engine worker (its own process)
+    WorkerEngine.submit --AddRequest/AbortRequest--> PULL  commands -> EngineCore.run_once()
+    ResultStream.put   <--Batch(items, stats)------- PUSH  every step's events and ends
+
+The two talk over a pair of pyzmq sockets on a private IPC path; messages are pickled
+dataclasses. The worker owns the model and the step loop and never waits for a client: it
+sends each step's events and goes on. The front end owns sockets, validation and the
+streams' buffers.
+
+If the worker dies, the front end notices within `poll_interval` seconds, ends the streams
+that had already received tokens with an error (those tokens cannot be taken back, so they
+are never retried), keeps the requests that had received nothing, starts a new worker, and
+submits those once more. A request whose second attempt also dies fails. While the worker
+starts, new requests are refused with 503 and `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from labkit.engine.core import AbortRequest, AddRequest, EngineCore, StreamEnd
+from labkit.engine.llm_engine import EngineConfig, EngineStats, LLMEngine, TokenEvent
+from labkit.engine.limits import EngineLimits
+from labkit.serve.engine_client import EngineFailure, EngineRequest, EngineUnavailable, ResultStream
+
+log = logging.getLogger("labkit.serve")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its engine (sent to a fresh process)."""
+
+    model: str = "smollm2-135m"
+    threads: int | None = None
+    engine: dict = field(default_factory=dict)  # EngineConfig fields (scheduler: a dict of its own)
+
+    def build_engine(self) -> LLMEngine:
+        import torch
+
+        from labkit.models import load_model
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        from labkit.engine.scheduler import SchedulerConfig
+
+        options = dict(self.engine)
+        if isinstance(options.get("scheduler"), dict):
+            options["scheduler"] = SchedulerConfig(**options["scheduler"])
+        return LLMEngine(load_model(self.model), EngineConfig(**options))
+
+
+@dataclass(frozen=True)
+class Ready:
+    limits: EngineLimits
+    pid: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    items: list[tuple[str, TokenEvent | StreamEnd]]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# -- the worker's side ---------------------------------------------------------------------
+
+class _Outbox:
+    """The core's sink for one request: its items wait here until the step's batch is sent."""
+
+    def __init__(self, items: list, request_id: str):
+        self.items, self.request_id = items, request_id
+
+    def put(self, item: TokenEvent | StreamEnd) -> None:
+        if isinstance(item, StreamEnd) and item.error is not None:
+            # Exceptions cross the process boundary as one of two picklable kinds.
+            kind = ValueError if isinstance(item.error, ValueError) else RuntimeError
+            item = StreamEnd(None, kind(str(item.error)))
+        self.items.append((self.request_id, item))
+
+
+def worker_main(spec: WorkerSpec, command_address: str, event_address: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the worker stops
+    parent = os.getppid()
+    core = EngineCore(spec.build_engine())
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(command_address)
+    events = context.socket(zmq.PUSH)
+    events.connect(event_address)
+    events.send_pyobj(Ready(core.engine.limits, os.getpid()))
+    outbox: list[tuple[str, TokenEvent | StreamEnd]] = []
+    sent_stats = None
+    try:
+        while True:
+            busy = core.engine.has_unfinished()
+            if commands.poll(0 if busy else 100):
+                while True:
+                    try:
+                        message = commands.recv_pyobj(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if isinstance(message, Shutdown):
+                        return
+                    if isinstance(message, AddRequest):
+                        try:
+                            core.submit(message, _Outbox(outbox, message.request_id))
+                        except ValueError as error:
+                            outbox.append((message.request_id, StreamEnd(None, ValueError(str(error)))))
+                    elif isinstance(message, AbortRequest):
+                        core.abort(message.request_id)
+            elif os.getppid() != parent:
+                return  # the front end is gone; nobody will read our events
+            core.run_once()
+            if outbox or core.stats != sent_stats:
+                events.send_pyobj(Batch(list(outbox), core.stats))
+                outbox.clear()
+                sent_stats = core.stats
+    finally:
+        commands.close(linger=0)
+        events.close(linger=0)
+        context.term()
+
+
+# -- the front end's side ------------------------------------------------------------------
+
+class WorkerEngine:
+    """An `EngineClient` whose engine runs in a separate process (restarted if it dies)."""
+
+    def __init__(self, spec: WorkerSpec, *, start_timeout: float = 600.0, poll_interval: float = 0.1):
+        self.spec, self.start_timeout, self.poll_interval = spec, start_timeout, poll_interval
+        self.limits: EngineLimits | None = None
+        self.restarts = 0
+        self.worker_pid: int | None = None
+        self._ready = False
+        self._stopping = False
+        self._streams: dict[str, ResultStream] = {}
+        self._stats: EngineStats | None = None
+        self._context = zmq.asyncio.Context()
+        self._directory = tempfile.mkdtemp(prefix="labkit-serve-")
+        self._generation = 0
+        self._process = None
+        self._commands = self._events = None
+        self._watch_task: asyncio.Task | None = None
+        self._read_task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def stats(self) -> EngineStats | None:
+        return self._stats
+
+    def health(self) -> dict:
+        return {"engine": "worker", "ready": self._ready, "worker_pid": self.worker_pid,
+                "restarts": self.restarts, "open_requests": len(self._streams)}
+
+    async def start(self) -> None:
+        await self._launch()
+        self._watch_task = asyncio.create_task(self._watch(), name="labkit-worker-watch")
+
+    async def _launch(self) -> None:
+        self._generation += 1
+        base = os.path.join(self._directory, f"g{self._generation}")
+        commands, events = f"ipc://{base}-commands", f"ipc://{base}-events"
+        self._commands = self._context.socket(zmq.PUSH)
+        self._commands.bind(commands)
+        self._events = self._context.socket(zmq.PULL)
+        self._events.bind(events)
+        process = multiprocessing.get_context("spawn").Process(
+            target=worker_main, args=(self.spec, commands, events), name="labkit-engine-worker", daemon=True)
+        process.start()
+        self._process = process
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if not process.is_alive():
+                raise RuntimeError(f"the engine worker exited with code {process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"the engine worker did not start within {self.start_timeout:.0f} s")
+            if await self._events.poll(timeout=200):
+                ready = await self._events.recv_pyobj()
+                break
+        self.limits, self.worker_pid = ready.limits, ready.pid
+        self._read_task = asyncio.create_task(self._read(self._events), name="labkit-worker-read")
+        self._ready = True
+        log.info("engine worker %d ready (generation %d)", ready.pid, self._generation)
+
+    async def _read(self, events) -> None:
+        while True:
+            batch: Batch = await events.recv_pyobj()
+            self._stats = batch.stats
+            for request_id, item in batch.items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                stream.put(item)
+                if isinstance(item, StreamEnd):
+                    del self._streams[request_id]
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.poll_interval)
+            if self._process is not None and not self._process.is_alive() and not self._stopping:
+                await self._recover()
+
+    async def _recover(self) -> None:
+        code = self._process.exitcode
+        log.warning("engine worker %s died (exit code %s); restarting", self.worker_pid, code)
+        self._ready = False
+        self._close_sockets()
+        retry = []
+        for stream in self._streams.values():
+            if stream.tokens_received == 0 and stream.attempts == 1:
+                retry.append(stream)
+            else:
+                stream.put(EngineFailure(f"the engine worker died (exit code {code}) while this request ran",
+                                         code="engine_died"))
+        self._streams.clear()
+        self.restarts += 1
+        try:
+            await self._launch()
+        except RuntimeError as error:
+            log.error("engine worker restart failed: %s", error)
+            for stream in retry:
+                stream.put(EngineFailure(f"the engine worker died and did not restart: {error}", code="engine_died"))
+            return
+        for stream in retry:
+            stream.attempts += 1
+            self._streams[stream.request_id] = stream
+            self._send(stream.request.command())
+
+    def _close_sockets(self) -> None:
+        if self._read_task is not None:
+            self._read_task.cancel()
+            self._read_task = None
+        for socket in (self._commands, self._events):
+            if socket is not None:
+                socket.close(linger=0)
+        self._commands = self._events = None
+
+    def _send(self, message) -> None:
+        self._commands.send_pyobj(message)
+
+    def submit(self, request: EngineRequest, *, max_buffered: int = 1024, policy: str = "abort") -> ResultStream:
+        if not self._ready:
+            raise EngineUnavailable("the engine worker is starting")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        stream = ResultStream(request, self.abort, max_buffered=max_buffered, policy=policy)
+        self._streams[request.request_id] = stream
+        self._send(request.command())
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._ready and request_id in self._streams:
+            self._send(AbortRequest(request_id))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._ready = False
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        if self._process is not None and self._process.is_alive():
+            try:
+                await self._commands.send_pyobj(Shutdown())
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+        for stream in self._streams.values():
+            stream.put(EngineFailure("the server is shutting down", code="shutting_down"))
+        self._streams.clear()
+        self._close_sockets()
+        self._context.term()
+        shutil.rmtree(self._directory, ignore_errors=True)
