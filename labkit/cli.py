@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     book.set_defaults(func=_cmd_book)
 
     bench = sub.add_parser("bench", help="benchmark the serving engine against its baselines")
-    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix (default: all)")
+    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix, serve (default: all)")
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the plumbing only")
     bench.add_argument("--out", default="results/bench", help="folder for summary.json and the records")
     bench.add_argument("--model", default="smollm2-135m")

@@ -1,58 +1,16 @@
-"""`labkit serve` as the tests run it: a real process on a free loopback port."""
+"""`labkit serve` as the tests run it: a real process on a free loopback port, with the
+questions the tests ask of it (a metric, whether it is idle or ready)."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 
-BIN = Path(sys.executable).parent / "labkit"
+from labkit.serve.server import ServerProcess
 
 
-class LiveServer:
-    """Start `labkit serve --port 0 ARGS`, wait for the line that names its URL, stop it on exit."""
-
-    def __init__(self, *args: str, start_timeout: float = 240.0):
-        self.args, self.start_timeout = list(args), start_timeout
-        self.lines: list[str] = []
-
-    def __enter__(self) -> "LiveServer":
-        command = [str(BIN), "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=os.environ | {"PYTHONUNBUFFERED": "1"})
-        found = threading.Event()
-
-        def read() -> None:
-            for line in self.process.stdout:
-                self.lines.append(line)
-                match = re.search(r"labkit serve: (http://\S+)", line)
-                if match:
-                    self.url = match.group(1)
-                    found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + self.start_timeout
-        while not found.wait(0.2):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("labkit serve did not start:\n" + "".join(self.lines[-40:]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
+class LiveServer(ServerProcess):
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.url + path, timeout=60, **kwargs)
 

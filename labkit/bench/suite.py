@@ -7,6 +7,8 @@ same process, with every request's record written beside the summary.
     ttft      median time to first token at half of capacity: continuous vs static batching
     paging    concurrent sequences at an equal KV budget: paged vs contiguous reservation
     prefix    time to first token of a follow-up after a cached prefix vs the same prompt cold
+    serve     the batch workload from 32 streaming HTTP clients against `labkit serve` vs the
+              same engine in process: output tokens/s, TTFT overhead, tokens identical
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from labkit.bench.workloads import Workload, chat_lengths, poisson_arrivals, tex
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.scheduler import SchedulerConfig
 
-FIGURES = ("decode", "batch", "ttft", "paging", "prefix")
+FIGURES = ("decode", "batch", "ttft", "paging", "prefix", "serve")
 
 
 @dataclass
@@ -61,6 +63,9 @@ class Bench:
     reference: object | None = None  # transformers model with the same weights
     quick: bool = False              # small sizes: checks the plumbing, not the claims
     runs: dict[str, RunResult] = field(default_factory=dict)
+    records: dict[str, dict] = field(default_factory=dict)  # other per-request records, by run
+    model_name: str = "smollm2-135m"
+    threads: int | None = None
 
     def size(self, full, quick):
         return quick if self.quick else full
@@ -181,6 +186,60 @@ class Bench:
                       warm_s=warm, prefix_hits=engine.stats().prefix_hits)
 
 
+    # -- serve --------------------------------------------------------------------------------
+    def serve(self) -> list[Figure]:
+        """Rounds of the batch workload over HTTP (32 clients at once), each followed by the
+        same engine in process fed the same requests at the moments the clients sent them, so
+        the two differ only by the service's path. Each HTTP round has its own cache salt, so no
+        round finds an earlier one's prefixes (the in-process engine is new every round)."""
+        from labkit.bench.http_load import records_dict, run_closed_loop, summarize
+        from labkit.serve.server import ServerProcess
+
+        work, rounds = self.batch_workload(), self.size(3, 1)
+        config = self.continuous_config()
+        warm = Workload(work.prompts[:2], [4, 4])
+        args = ["--model", self.model_name, "--kv-cache-tokens", str(config.kv_cache_tokens),
+                "--max-num-seqs", str(config.scheduler.max_num_seqs),
+                "--max-batched-tokens", str(config.scheduler.max_batched_tokens)]
+        args += ["--threads", str(self.threads)] if self.threads else []
+        inproc, served = [], []
+        with ServerProcess(*args) as server:
+            run_engine(self.model, warm, config, "warm-up")
+            run_closed_loop(server.url, self.model_name, warm.prompts, warm.max_tokens, 2)
+            for round_ in range(rounds):
+                records, wall = run_closed_loop(server.url, self.model_name, work.prompts, work.max_tokens,
+                                                len(work), extra={"ignore_eos": True, "cache_salt": f"r{round_}"})
+                served.append((records, summarize(records, wall)))
+                replay = Workload(work.prompts, work.max_tokens, [r.sent_s for r in records])
+                inproc.append(run_engine(self.model, replay, config, f"engine in process, round {round_}"))
+        self.runs["serve_in_process"] = inproc[-1]
+        self.records["serve_http"] = {"rounds": [summary for _, summary in served],
+                                      "records": records_dict(served[-1][0])}
+        tokenizer = self.model.tokenizer
+        same = sum(r.ok and r.text == tokenizer.decode(ref.token_ids)
+                   for records, _ in served for r, ref in zip(records, inproc[0].records))
+        in_tps = [r.tokens_per_s for r in inproc]
+        http_tps = [summary["output_tokens_per_s"] for _, summary in served]
+        in_ttft = [r.ttft_quantile(0.5) for r in inproc]
+        http_ttft = [summary["ttft_s"]["p50"] for _, summary in served]
+        over_ms = [(h - i) * 1e3 for h, i in zip(http_ttft, in_ttft)]
+        shared = {"workload": work.describe(), "concurrency": len(work), "rounds": rounds,
+                  "arrivals": "in process: the moments the HTTP clients sent each request",
+                  "http_tokens_per_s": http_tps, "in_process_tokens_per_s": in_tps,
+                  "http_ttft_p50_s": http_ttft, "in_process_ttft_p50_s": in_ttft, "ttft_overhead_ms": over_ms,
+                  "http_last_round": served[-1][1]}
+        median = statistics.median
+        return [
+            figure("serve", f"{len(work)} streaming HTTP clients vs the same engine in process",
+                   median(http_tps), median(in_tps), "output tokens/s", median(http_tps) / median(in_tps), ">= 0.9",
+                   **shared),
+            figure("serve", "median time to first token over HTTP minus in process (ratio column: ms)",
+                   median(http_ttft), median(in_ttft), "s", median(over_ms), "<= 20", **shared),
+            figure("serve", "streams whose text equals the in-process run's", same, len(work) * rounds, "requests",
+                   same / (len(work) * rounds), ">= 1"),
+        ]
+
+
 def run_bench(figures: list[str] | None = None, *, quick: bool = False, out: str | Path = "results/bench",
               model_name: str = "smollm2-135m", threads: int | None = None) -> list[Figure]:
     import labkit
@@ -197,7 +256,8 @@ def run_bench(figures: list[str] | None = None, *, quick: bool = False, out: str
     model = labkit.load_model(model_name)
     needs_reference = {"decode", "batch"} & set(figures)
     bench = Bench(model, model.tokenizer.encode(eval_text()),
-                  load_reference(model_name) if needs_reference else None, quick)
+                  load_reference(model_name) if needs_reference else None, quick,
+                  model_name=model_name, threads=threads)
     results: list[Figure] = []
     with num_threads(threads):
         for name in figures:
@@ -214,4 +274,6 @@ def run_bench(figures: list[str] | None = None, *, quick: bool = False, out: str
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for key, run in bench.runs.items():
         (out / f"{key}.json").write_text(json.dumps(run.to_dict(), default=str))
+    for key, record in bench.records.items():
+        (out / f"{key}.json").write_text(json.dumps(record, default=str))
     return results

@@ -120,7 +120,8 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             top_p=1.0 if fields.top_p is None else fields.top_p,
             top_k=fields.top_k or 0, min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed,
             stop=fields.stop_strings, presence_penalty=fields.presence_penalty or 0.0,
-            frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs)
+            frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs,
+            ignore_eos=bool(fields.ignore_eos))
 
     def check_size(prompt_ids: list[int], max_tokens: int, param: str) -> None:
         if client.limits is None:

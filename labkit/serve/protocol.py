@@ -117,6 +117,7 @@ class SamplingFields(Strict):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    ignore_eos: bool | None = None  # vLLM's: go on to max_tokens (benchmarks)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -36,6 +41,7 @@ def engine_fields(args) -> dict:
               "prefix_caching": not args.no_prefix_caching, "fast_kernels": not args.reference_kernels}
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
+    fields["scheduler"] = {"max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_batched_tokens}
     return fields
 
 
@@ -48,7 +54,11 @@ def make_client(args):
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        return InProcessEngine(LLMEngine(load_model(args.model), EngineConfig(**engine_fields(args))))
+        from labkit.engine.scheduler import SchedulerConfig
+
+        fields = engine_fields(args)
+        fields["scheduler"] = SchedulerConfig(**fields["scheduler"])
+        return InProcessEngine(LLMEngine(load_model(args.model), EngineConfig(**fields)))
     return WorkerEngine(WorkerSpec(args.model, args.threads, engine_fields(args)))
 
 
@@ -145,11 +155,52 @@ class BackgroundServer:
         self.close()
 
 
+class ServerProcess:
+    """`labkit serve --port 0 ARGS` in a child process: start it, wait for the line naming
+    its URL, stop it (SIGINT, then SIGKILL) on exit. What benchmarks and tests drive."""
+
+    def __init__(self, *args: str, start_timeout: float = 240.0, host: str = "127.0.0.1"):
+        self.command = [sys.executable, "-m", "labkit.cli", "serve", "--host", host, "--port", "0", *args]
+        self.start_timeout = start_timeout
+        self.lines: list[str] = []
+        self.url: str | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        found = threading.Event()
+
+        def read() -> None:
+            for line in self.process.stdout:
+                self.lines.append(line)
+                match = re.search(r"labkit serve: (http://\S+)", line)
+                if match:
+                    self.url = match.group(1)
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout
+        while not found.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError("labkit serve did not start:\n" + "".join(self.lines[-40:]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 def add_arguments(parser) -> None:
     from labkit.engine.llm_engine import EngineConfig
+    from labkit.engine.scheduler import SchedulerConfig
     from labkit.serve.engine_client import SLOW_READER_POLICIES
 
-    defaults = EngineConfig()
+    defaults, scheduling = EngineConfig(), SchedulerConfig()
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL names it)")
@@ -158,6 +209,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=scheduling.max_num_seqs, help="sequences per step")
+    parser.add_argument("--max-batched-tokens", type=int, default=scheduling.max_batched_tokens,
+                        help="tokens per step (prefill chunks + decodes)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--reference-kernels", action="store_true", help="F.linear and SDPA, not the C kernels")
     parser.add_argument("--in-process", action="store_true", help="run the engine in the server's process")
