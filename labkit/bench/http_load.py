@@ -86,19 +86,21 @@ def _body(model: str, prompt: list[int], max_tokens: int, extra: dict) -> dict:
             "stream_options": {"include_usage": True}, **extra}
 
 
-async def _closed(url, model, prompts, max_tokens, concurrency, extra, headers) -> tuple[list[HttpRecord], float]:
+async def _closed(url, model, prompts, max_tokens, concurrency, extra, headers,
+                  stagger: float) -> tuple[list[HttpRecord], float]:
     records = [HttpRecord(i, len(p), 0.0) for i, p in enumerate(prompts)]
     queue = list(range(len(prompts)))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
 
-        async def worker():
+        async def worker(index: int):
+            await asyncio.sleep(index * stagger)
             while queue:
                 i = queue.pop(0)
                 await _one(client, url, _body(model, prompts[i], max_tokens[i], extra), records[i], start, headers)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
         return records, time.perf_counter() - start
 
 
@@ -117,11 +119,15 @@ async def _open(url, model, prompts, max_tokens, arrivals, extra, headers) -> tu
 
 
 def run_closed_loop(base_url: str, model: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                    *, extra: dict | None = None, api_key: str | None = None) -> tuple[list[HttpRecord], float]:
-    """Records and wall seconds of a closed-loop run against `base_url` (e.g. http://host:port)."""
+                    *, extra: dict | None = None, api_key: str | None = None,
+                    stagger: float = 0.0) -> tuple[list[HttpRecord], float]:
+    """Records and wall seconds of a closed-loop run against `base_url` (e.g. http://host:port).
+    Client i sends its first request `i * stagger` seconds after the start: with a few
+    milliseconds each request reaches the server before the next is sent, so the server sees
+    them in the order of their send times (which a replay in process can then follow)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return asyncio.run(_closed(base_url + "/v1/completions", model, prompts, max_tokens, concurrency,
-                               extra or {}, headers))
+                               extra or {}, headers, stagger))
 
 
 def run_open_loop(base_url: str, model: str, prompts: list[list[int]], max_tokens: list[int],

@@ -27,6 +27,7 @@ from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.scheduler import SchedulerConfig
 
 FIGURES = ("decode", "batch", "ttft", "paging", "prefix", "serve")
+SERVE_STAGGER_S = 0.004  # between the HTTP clients' first requests: the server sees the send order
 
 
 @dataclass
@@ -208,7 +209,8 @@ class Bench:
             run_closed_loop(server.url, self.model_name, warm.prompts, warm.max_tokens, 2)
             for round_ in range(rounds):
                 records, wall = run_closed_loop(server.url, self.model_name, work.prompts, work.max_tokens,
-                                                len(work), extra={"ignore_eos": True, "cache_salt": f"r{round_}"})
+                                                len(work), extra={"ignore_eos": True, "cache_salt": f"r{round_}"},
+                                                stagger=SERVE_STAGGER_S)
                 served.append((records, summarize(records, wall)))
                 replay = Workload(work.prompts, work.max_tokens, [r.sent_s for r in records])
                 inproc.append(run_engine(self.model, replay, config, f"engine in process, round {round_}"))
@@ -225,6 +227,7 @@ class Bench:
         over_ms = [(h - i) * 1e3 for h, i in zip(http_ttft, in_ttft)]
         shared = {"workload": work.describe(), "concurrency": len(work), "rounds": rounds,
                   "arrivals": "in process: the moments the HTTP clients sent each request",
+                  "client_stagger_s": SERVE_STAGGER_S,
                   "http_tokens_per_s": http_tps, "in_process_tokens_per_s": in_tps,
                   "http_ttft_p50_s": http_ttft, "in_process_ttft_p50_s": in_ttft, "ttft_overhead_ms": over_ms,
                   "http_last_round": served[-1][1]}
