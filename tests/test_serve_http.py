@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -145,6 +146,21 @@ def test_requests_without_a_valid_key_get_401(server):
         assert answer.status_code == 401
         assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
+def test_a_whole_answer_says_where_its_time_went(server):
+    started = time.perf_counter()
+    answer = post(server, "/v1/completions", {"model": MODEL, "prompt": COUNTING, "max_tokens": 16,
+                                              "temperature": 0})
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    stages = dict(part.strip().split(";dur=") for part in answer.headers["server-timing"].split(","))
+    assert list(stages) == ["read", "parse", "tokenize", "submit", "to-engine", "queue", "prefill", "decode",
+                            "to-front-end", "serialize"]
+    durations = {name: float(ms) for name, ms in stages.items()}
+    assert all(ms >= 0 for ms in durations.values())
+    assert sum(durations.values()) <= elapsed_ms  # the stages follow one another inside the request
+    assert durations["decode"] > durations["parse"]  # 15 decode steps outweigh parsing a small body
+    assert sum(durations.values()) >= 0.5 * elapsed_ms, durations  # most of the time is accounted for
 
 
 # -- awkward requests ------------------------------------------------------------------------
@@ -296,3 +312,56 @@ def test_a_request_that_had_received_nothing_is_retried_once_after_a_worker_dies
     assert "answer" in outcome, outcome.get("error")
     assert outcome["answer"].usage.completion_tokens >= 1
     assert server.ready()
+
+
+def test_a_random_mix_with_a_worker_kill_ends_every_request_and_leaks_nothing(server):
+    """Streams, clients that leave, bad requests and whole answers at once; the worker is
+    killed while they run. Every request ends with an answer or an error in the one shape,
+    and afterwards nothing runs, no block is held, and the server answers."""
+    import random
+
+    server.wait_until(server.ready, timeout=180)
+    rng = random.Random(13)
+    outcomes: dict[int, str] = {}
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+
+    def one(i: int, kind: str) -> None:
+        body = GOOD | {"prompt": f"{i}: " + COUNTING, "max_tokens": rng.randint(8, 60)}
+        try:
+            if kind == "bad":
+                answer = httpx.post(server.url + "/v1/completions", json=body | {"n": "2"}, headers=auth, timeout=120)
+                outcomes[i] = "refused" if answer.status_code == 400 else f"status {answer.status_code}"
+            elif kind == "whole":
+                answer = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=240)
+                ok = answer.status_code == 200 or (answer.status_code == 503 and "error" in answer.json())
+                outcomes[i] = "ended" if ok else f"status {answer.status_code}"
+            else:
+                with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True},
+                                  headers=auth, timeout=240) as answer:
+                    lines = []
+                    for line in answer.iter_lines():
+                        if line:
+                            lines.append(line)
+                        if kind == "leave" and len(lines) >= 2:
+                            break
+                ended = kind == "leave" or (lines and lines[-1] == "data: [DONE]")
+                outcomes[i] = "ended" if ended else f"cut off after {len(lines)} lines"
+        except httpx.HTTPError as error:
+            outcomes[i] = f"error {error!r}"
+
+    kinds = [rng.choice(["bad", "whole", "stream", "leave"]) for _ in range(20)]
+    threads = [threading.Thread(target=one, args=(i, k)) for i, k in enumerate(kinds)]
+    for t in threads[:12]:
+        t.start()
+    server.wait_until(lambda: server.get("/health").json()["open_requests"] >= 3, timeout=30, interval=0.02)
+    _kill_worker(server)
+    for t in threads[12:]:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(outcomes) == len(kinds)
+    for i, kind in enumerate(kinds):
+        assert outcomes[i] == ("refused" if kind == "bad" else "ended"), (kind, outcomes[i])
+    server.wait_until(lambda: server.ready() and server.idle(), timeout=180, interval=0.2)
+    answer = post(server, "/v1/completions", GOOD)
+    assert answer.status_code == 200

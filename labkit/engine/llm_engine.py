@@ -83,6 +83,7 @@ class RequestOutput:
     finish_time: float | None
     cached_prompt_tokens: int
     preemptions: int
+    first_scheduled_time: float | None = None  # when its prompt first ran: arrival to this is queueing
 
     @property
     def ttft(self) -> float | None:
@@ -202,8 +203,10 @@ class LLMEngine:
         return True
 
     def _record_transition(self, seq: Sequence, old: Status | None, new: Status) -> None:
-        self.transitions.append((self.clock(), seq.request_id, seq.sample_index,
-                                 old.value if old else "new", new.value))
+        now = self.clock()
+        if new is Status.RUNNING and seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        self.transitions.append((now, seq.request_id, seq.sample_index, old.value if old else "new", new.value))
 
     # -- one step: schedule, run, postprocess --------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -290,7 +293,8 @@ class LLMEngine:
                           None if s.top_logprobs is None else list(s.top_logprobs)) for s in r.seqs],
             r.arrival_time, min(firsts) if firsts else None,
             max(finishes) if r.done and finishes else None,
-            r.seqs[0].num_cached_prompt_tokens, sum(s.preemptions for s in r.seqs))
+            r.seqs[0].num_cached_prompt_tokens, sum(s.preemptions for s in r.seqs),
+            r.seqs[0].first_scheduled_time)
 
     def release(self, request_id: str) -> RequestOutput:
         """The output of a finished request, forgetting the request."""

@@ -44,6 +44,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0   # of those, how many a prefix-cache hit supplied
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full computed blocks
+    first_scheduled_time: float | None = None  # first moved to RUNNING
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None    # "stop", "length" or "abort"

@@ -174,14 +174,19 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.perf_counter()
+        marks = {"arrival": arrival}
         try:
             key = authenticate(request)
-            fields: CompletionRequest = validate(CompletionRequest, await read_body(request))
+            body = await read_body(request)
+            marks["read"] = time.perf_counter()
+            fields: CompletionRequest = validate(CompletionRequest, body)
+            marks["parsed"] = time.perf_counter()
             check_model(fields.model)
             prompts = fields.prompt
             if isinstance(prompts, str) or isinstance(prompts[0], int):
                 prompts = [prompts]
             encoded = [encode(p, "prompt") for p in prompts]
+            marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
             for ids in encoded:
                 check_size(ids, max_tokens, "prompt")
@@ -190,11 +195,12 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             salt = cache_scope(tenant_of(key), fields.cache_salt)
             n = fields.n or 1
             streams = [submit(f"{response_id}-{p}", ids, params, n, salt) for p, ids in enumerate(encoded)]
+            marks["submitted"] = time.perf_counter()
         except APIError as error:
             metrics.count("completions", "refused" if error.status in (429, 503) else "client_error")
             raise
         call = _Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
-                     fields.logprobs is not None, arrival, metrics, token_text, fields.user)
+                     fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=False, include_usage=usage)
@@ -203,9 +209,13 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
+        marks = {"arrival": arrival}
         try:
             key = authenticate(request)
-            fields: ChatCompletionRequest = validate(ChatCompletionRequest, await read_body(request))
+            body = await read_body(request)
+            marks["read"] = time.perf_counter()
+            fields: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+            marks["parsed"] = time.perf_counter()
             check_model(fields.model)
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                         for m in fields.messages]
@@ -214,6 +224,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             except ValueError as error:
                 raise invalid(str(error), "messages") from None
             ids = encode(ids, "messages")
+            marks["tokenized"] = time.perf_counter()
             limit = fields.max_completion_tokens or fields.max_tokens
             max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
             check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages")
@@ -223,11 +234,12 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             salt = cache_scope(tenant_of(key), fields.cache_salt)
             n = fields.n or 1
             streams = [submit(response_id, ids, params, n, salt)]
+            marks["submitted"] = time.perf_counter()
         except APIError as error:
             metrics.count("chat", "refused" if error.status in (429, 503) else "client_error")
             raise
         call = _Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
-                     logprobs is not None, arrival, metrics, token_text, fields.user)
+                     logprobs is not None, arrival, metrics, token_text, fields.user, marks)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)
@@ -266,6 +278,25 @@ class _Call:
     metrics: ServiceMetrics
     tokens: responses.TokenText
     user: str | None = None
+    marks: dict[str, float] = field(default_factory=dict)  # perf_counter times (the engine's clock too)
+
+    def server_timing(self) -> str:
+        """The request's stages as a Server-Timing header (ms). Engine times come from its own
+        clock: time.perf_counter is one system-wide monotonic clock on Linux, so the worker's
+        and the front end's readings compare."""
+        out = self.streams[0].output
+        m = self.marks
+        stages = [("read", m["arrival"], m["read"]), ("parse", m["read"], m["parsed"]),
+                  ("tokenize", m["parsed"], m["tokenized"]), ("submit", m["tokenized"], m["submitted"]),
+                  ("to-engine", m["submitted"], out.arrival_time)]
+        if out.first_scheduled_time is not None and out.first_token_time is not None:
+            stages += [("queue", out.arrival_time, out.first_scheduled_time),
+                       ("prefill", out.first_scheduled_time, out.first_token_time)]
+        if out.first_token_time is not None and out.finish_time is not None:
+            stages += [("decode", out.first_token_time, out.finish_time),
+                       ("to-front-end", out.finish_time, m["collected"])]
+        stages.append(("serialize", m["collected"], m["serialized"]))
+        return ", ".join(f"{name};dur={max(0.0, end - begin) * 1e3:.3f}" for name, begin, end in stages)
 
     def finish(self, outcome: str) -> None:
         self.metrics.count(self.route, outcome)
@@ -319,14 +350,18 @@ class _Call:
         except (EngineFailure, ValueError) as error:
             self.finish("client_error" if _failure_error(error).status < 500 else "failed")
             return _failure_error(error).response()
+        self.marks["collected"] = time.perf_counter()
         outputs = [s.output for s in self.streams]
         tokens = self.tokens if self.logprobs else None
         if chat:
             body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
         else:
             body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
+        answer = JSONResponse(body, headers={"X-Request-Id": self.response_id})
+        self.marks["serialized"] = time.perf_counter()
+        answer.headers["Server-Timing"] = self.server_timing()
         self.finish("ok")
-        return JSONResponse(body, headers={"X-Request-Id": self.response_id})
+        return answer
 
     def stream(self, request: Request, *, chat: bool, include_usage: bool) -> StreamingResponse:
         return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
