@@ -35,8 +35,9 @@ def test_bench_serve_runs_the_same_workload_both_ways(model):
     from labkit.eval import eval_text
 
     bench = Bench(model, model.tokenizer.encode(eval_text()), quick=True)
-    throughput, ttft, same = bench.serve()
+    throughput, ttft, same, naive_throughput, naive_ttft = bench.serve()
     assert same.ratio == 1.0  # every streamed text equals the in-process run's
     assert throughput.baseline > 0 and throughput.value > 0
     assert ttft.ratio == pytest.approx((ttft.value - ttft.baseline) * 1e3)
     assert len(bench.records["serve_http"]["records"]) == len(bench.batch_workload())
+    assert naive_throughput.details["naive_errors"] == 0 and naive_throughput.baseline > 0

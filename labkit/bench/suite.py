@@ -214,6 +214,14 @@ class Bench:
                 served.append((records, summarize(records, wall)))
                 replay = Workload(work.prompts, work.max_tokens, [r.sent_s for r in records])
                 inproc.append(run_engine(self.model, replay, config, f"engine in process, round {round_}"))
+        # The foil, once: it serves one request at a time. It samples at temperature 1 because
+        # it passes temperature 0 straight to `generate`, which refuses it (a 500).
+        with ServerProcess(*(["--naive"] + (["--threads", str(self.threads)] if self.threads else []))) as naive:
+            run_closed_loop(naive.url, self.model_name, warm.prompts, warm.max_tokens, 2, extra={"temperature": 1.0})
+            naive_records, naive_wall = run_closed_loop(naive.url, self.model_name, work.prompts, work.max_tokens,
+                                                        len(work), extra={"temperature": 1.0}, stagger=SERVE_STAGGER_S)
+        naive_summary = summarize(naive_records, naive_wall)
+        self.records["serve_naive_http"] = {"summary": naive_summary, "records": records_dict(naive_records)}
         self.runs["serve_in_process"] = inproc[-1]
         self.records["serve_http"] = {"rounds": [summary for _, summary in served],
                                       "records": records_dict(served[-1][0])}
@@ -240,6 +248,13 @@ class Bench:
                    median(http_ttft), median(in_ttft), "s", median(over_ms), "<= 20", **shared),
             figure("serve", "streams whose text equals the in-process run's", same, len(work) * rounds, "requests",
                    same / (len(work) * rounds), ">= 1"),
+            figure("serve", f"{len(work)} streaming HTTP clients, labkit serve vs transformers served naively",
+                   median(http_tps), naive_summary["output_tokens_per_s"], "output tokens/s",
+                   median(http_tps) / naive_summary["output_tokens_per_s"], ">= 1", naive=naive_summary,
+                   naive_errors=naive_summary["errors"]),
+            figure("serve", "median time to first token, labkit serve vs transformers served naively",
+                   median(http_ttft), naive_summary["ttft_s"]["p50"], "s",
+                   median(http_ttft) / naive_summary["ttft_s"]["p50"], "<= 1", naive=naive_summary),
         ]
 
 

@@ -72,19 +72,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _announce(server: uvicorn.Server, url: str, client) -> None:
+async def _announce(server: uvicorn.Server, url: str, model: str, client) -> None:
     while not server.started:
         if server.should_exit:
             return
         await asyncio.sleep(0.05)
     pid = getattr(client, "worker_pid", None)
-    where = f"engine worker pid {pid}" if pid else "engine in process"
-    print(f"labkit serve: {url} (model {client_model(client)}, {where})", flush=True)
-
-
-def client_model(client) -> str:
-    spec = getattr(client, "spec", None)
-    return spec.model if spec is not None else "in-process"
+    where = ("the naive transformers foil" if client is None else
+             f"engine worker pid {pid}" if pid else "engine in process")
+    print(f"labkit serve: {url} (model {model}, {where})", flush=True)
 
 
 def serve(args) -> int:
@@ -92,11 +88,22 @@ def serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
 
-    settings = ServeSettings(model_name=args.model, max_body_bytes=args.max_body_bytes,
-                             api_keys=read_api_keys(args.api_key_file) if args.api_key_file else [],
-                             max_buffered_events=args.max_buffered_events, slow_reader=args.slow_reader)
-    client = make_client(args)
-    app = build_app(client, load_tokenizer(args.model), settings)
+    if args.naive:
+        from labkit.models.reference import load_reference
+        from labkit.serve.naive import build_naive_app
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        client = None
+        app = build_naive_app(args.model, load_reference(args.model), load_tokenizer(args.model))
+    else:
+        settings = ServeSettings(model_name=args.model, max_body_bytes=args.max_body_bytes,
+                                 api_keys=read_api_keys(args.api_key_file) if args.api_key_file else [],
+                                 max_buffered_events=args.max_buffered_events, slow_reader=args.slow_reader)
+        client = make_client(args)
+        app = build_app(client, load_tokenizer(args.model), settings)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -104,7 +111,7 @@ def serve(args) -> int:
                                            timeout_graceful_shutdown=5))
 
     async def main() -> None:
-        announce = asyncio.create_task(_announce(server, url, client))
+        announce = asyncio.create_task(_announce(server, url, args.model, client))
         await server.serve(sockets=[sock])
         announce.cancel()
 
@@ -215,6 +222,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--reference-kernels", action="store_true", help="F.linear and SDPA, not the C kernels")
     parser.add_argument("--in-process", action="store_true", help="run the engine in the server's process")
+    parser.add_argument("--naive", action="store_true",
+                        help="serve the deliberately naive foil: transformers generate with framework defaults")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-buffered-events", type=int, default=1024,
                         help="events a stream may hold for a slow reader before --slow-reader applies")
