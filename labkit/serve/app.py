@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from labkit.engine.output import encode_prompt
 from labkit.sampling import SamplingParams
 from labkit.serve import responses
+from labkit.serve.admission import QUEUE_POLICIES, AdmissionControl
 from labkit.serve.engine_client import (SLOW_READER_POLICIES, EngineClient, EngineFailure, EngineRequest,
                                         EngineUnavailable, ResultStream)
 from labkit.serve.errors import APIError, install_error_handlers, invalid
@@ -48,10 +49,16 @@ class ServeSettings:
     max_buffered_events: int = 1024                     # per stream, before the slow-reader policy
     slow_reader: str = "abort"
     retry_after_seconds: float = 1.0
+    queue_policy: str = "unbounded"
+    max_queue: int = 8
+    default_deadline_ms: float | None = None
+    engine_concurrency: int = 64                        # the engine's max_num_seqs
 
     def __post_init__(self) -> None:
         if self.slow_reader not in SLOW_READER_POLICIES:
             raise ValueError(f"slow_reader must be one of {SLOW_READER_POLICIES}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
 
 
 def tenant_of(api_key: str | None) -> str | None:
@@ -68,17 +75,35 @@ def cache_scope(tenant: str | None, cache_salt: str | None) -> str | None:
 def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastAPI:
     metrics = ServiceMetrics(client)
     token_text = responses.TokenText(tokenizer)
+    admission = AdmissionControl(settings.queue_policy, settings.max_queue, settings.engine_concurrency,
+                                 None if settings.default_deadline_ms is None else settings.default_deadline_ms / 1e3)
+    open_streams: dict[str, ResultStream] = {}
+
+    async def drop_expired() -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            for request_id in admission.expired():
+                stream = open_streams.get(request_id)
+                admission.done(request_id)
+                if stream is not None:
+                    stream.abort()
+                    stream.put(EngineFailure("the request could no longer finish by its deadline; it was "
+                                             "dropped from the queue", code="deadline_expired"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await client.start()
+        sweeper = asyncio.create_task(drop_expired()) if settings.queue_policy == "drop-expired" else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             await client.stop()
 
     app = FastAPI(title="labkit", lifespan=lifespan)
     app.state.client, app.state.metrics, app.state.settings = client, metrics, settings
+    app.state.admission = admission
     install_error_handlers(app)
 
     def authenticate(request: Request) -> str | None:
@@ -132,12 +157,41 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         except ValueError as error:
             raise APIError(400, str(error), "context_length_exceeded", param) from None
 
-    def submit(request_id: str, ids: list[int], params: SamplingParams, n: int, salt: str | None) -> ResultStream:
+    def deadline(request: Request, fields: SamplingFields, arrival: float) -> float | None:
+        header = request.headers.get("x-deadline-ms")
+        given = fields.deadline_ms
+        if header is not None:
+            try:
+                from_header = float(header)
+            except ValueError:
+                raise invalid(f"X-Deadline-Ms must be a number of milliseconds, got {header!r}",
+                              "X-Deadline-Ms") from None
+            if not 0 < from_header <= 1e7:
+                raise invalid("X-Deadline-Ms must be in (0, 1e7]", "X-Deadline-Ms")
+            if given is not None and given != from_header:
+                raise invalid("deadline_ms and X-Deadline-Ms disagree", "deadline_ms")
+            given = from_header
+        return admission.deadline_of(arrival, None if given is None else given / 1e3)
+
+    def admit(encoded: list[list[int]], max_tokens: int, until: float | None) -> None:
+        refusal = admission.consider(sum(len(ids) for ids in encoded), max_tokens, until)
+        if refusal is not None:
+            raise APIError(refusal.status, refusal.message, refusal.code, retry_after=max(1.0, refusal.retry_after))
+
+    def submit(request_id: str, ids: list[int], params: SamplingParams, n: int, salt: str | None,
+               until: float | None) -> ResultStream:
         try:
-            return client.submit(EngineRequest(request_id, ids, params, n, salt),
-                                 max_buffered=settings.max_buffered_events, policy=settings.slow_reader)
+            stream = client.submit(EngineRequest(request_id, ids, params, n, salt),
+                                   max_buffered=settings.max_buffered_events, policy=settings.slow_reader)
         except EngineUnavailable as error:
             raise APIError(503, str(error), "engine_unavailable", retry_after=settings.retry_after_seconds) from None
+        admission.admit(request_id, len(ids), params.max_tokens, until)
+        open_streams[request_id] = stream
+        return stream
+
+    def closed(stream: ResultStream) -> None:
+        if open_streams.pop(stream.request_id, None) is not None:
+            admission.done(stream.request_id, stream.output)
 
     def encode(prompt, param: str) -> list[int]:
         try:
@@ -191,16 +245,19 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             for ids in encoded:
                 check_size(ids, max_tokens, "prompt")
             params = sampling(fields, max_tokens, fields.logprobs)
+            until = deadline(request, fields, arrival)
+            admit(encoded, max_tokens, until)
             response_id = f"cmpl-{uuid.uuid4().hex}"
             salt = cache_scope(tenant_of(key), fields.cache_salt)
             n = fields.n or 1
-            streams = [submit(f"{response_id}-{p}", ids, params, n, salt) for p, ids in enumerate(encoded)]
+            streams = [submit(f"{response_id}-{p}", ids, params, n, salt, until) for p, ids in enumerate(encoded)]
             marks["submitted"] = time.perf_counter()
         except APIError as error:
             metrics.count("completions", "refused" if error.status in (429, 503) else "client_error")
             raise
         call = _Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
-                     fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks)
+                     fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks,
+                     admission.token, closed)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=False, include_usage=usage)
@@ -230,16 +287,19 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages")
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
             params = sampling(fields, max_tokens, logprobs)
+            until = deadline(request, fields, arrival)
+            admit([ids], max_tokens, until)
             response_id = f"chatcmpl-{uuid.uuid4().hex}"
             salt = cache_scope(tenant_of(key), fields.cache_salt)
             n = fields.n or 1
-            streams = [submit(response_id, ids, params, n, salt)]
+            streams = [submit(response_id, ids, params, n, salt, until)]
             marks["submitted"] = time.perf_counter()
         except APIError as error:
             metrics.count("chat", "refused" if error.status in (429, 503) else "client_error")
             raise
         call = _Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
-                     logprobs is not None, arrival, metrics, token_text, fields.user, marks)
+                     logprobs is not None, arrival, metrics, token_text, fields.user, marks,
+                     admission.token, closed)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)
@@ -253,6 +313,12 @@ async def _until_disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _outcome(error: BaseException) -> str:
+    if getattr(error, "code", None) == "deadline_expired":
+        return "dropped"
+    return "client_error" if _failure_error(error).status < 500 else "failed"
 
 
 def _failure_error(error: BaseException) -> APIError:
@@ -279,6 +345,8 @@ class _Call:
     tokens: responses.TokenText
     user: str | None = None
     marks: dict[str, float] = field(default_factory=dict)  # perf_counter times (the engine's clock too)
+    on_token: object = None        # admission control: a request started / ended
+    on_closed: object = None
 
     def server_timing(self) -> str:
         """The request's stages as a Server-Timing header (ms). Engine times come from its own
@@ -309,6 +377,8 @@ class _Call:
     def abort_all(self) -> None:
         for stream in self.streams:
             stream.abort()
+            if self.on_closed is not None:
+                self.on_closed(stream)
 
     async def _events(self):
         """(choice index, event) from every stream, in the order they arrive."""
@@ -319,7 +389,12 @@ class _Call:
                 for task in done:
                     p = pending.pop(task)
                     event = task.result()
-                    if event is not None:
+                    if event is None:
+                        if self.on_closed is not None:
+                            self.on_closed(self.streams[p])
+                    else:
+                        if event.token_id is not None and self.on_token is not None:
+                            self.on_token(self.streams[p].request_id)
                         yield p * self.n + event.index, event
                         pending[asyncio.ensure_future(self.streams[p].next())] = p
         finally:
@@ -348,7 +423,8 @@ class _Call:
         try:
             work.result()
         except (EngineFailure, ValueError) as error:
-            self.finish("client_error" if _failure_error(error).status < 500 else "failed")
+            self.abort_all()
+            self.finish(_outcome(error))
             return _failure_error(error).response()
         self.marks["collected"] = time.perf_counter()
         outputs = [s.output for s in self.streams]
@@ -410,9 +486,8 @@ class _Call:
                 yield _sse(responses.usage_chunk(self.response_id, self.created, self.model, obj, outputs))
             outcome = "ok"
         except (EngineFailure, ValueError) as error:
-            answer = _failure_error(error)
-            outcome = "client_error" if answer.status < 500 else "failed"
-            yield _sse(answer.body())
+            outcome = _outcome(error)
+            yield _sse(_failure_error(error).body())
         finally:
             self.abort_all()
             self.finish(outcome)

@@ -118,6 +118,7 @@ class SamplingFields(Strict):
     user: Annotated[str, Field(max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool | None = None  # vLLM's: go on to max_tokens (benchmarks)
+    deadline_ms: Annotated[float, Field(gt=0, le=1e7)] | None = None  # ours: admission control
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 

@@ -101,7 +101,10 @@ def serve(args) -> int:
     else:
         settings = ServeSettings(model_name=args.model, max_body_bytes=args.max_body_bytes,
                                  api_keys=read_api_keys(args.api_key_file) if args.api_key_file else [],
-                                 max_buffered_events=args.max_buffered_events, slow_reader=args.slow_reader)
+                                 max_buffered_events=args.max_buffered_events, slow_reader=args.slow_reader,
+                                 queue_policy=args.queue_policy, max_queue=args.max_queue,
+                                 default_deadline_ms=args.default_deadline_ms,
+                                 engine_concurrency=args.max_num_seqs)
         client = make_client(args)
         app = build_app(client, load_tokenizer(args.model), settings)
     sock = bind(args.host, args.port)
@@ -205,6 +208,7 @@ class ServerProcess:
 def add_arguments(parser) -> None:
     from labkit.engine.llm_engine import EngineConfig
     from labkit.engine.scheduler import SchedulerConfig
+    from labkit.serve.admission import QUEUE_POLICIES
     from labkit.serve.engine_client import SLOW_READER_POLICIES
 
     defaults, scheduling = EngineConfig(), SchedulerConfig()
@@ -228,6 +232,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-buffered-events", type=int, default=1024,
                         help="events a stream may hold for a slow reader before --slow-reader applies")
     parser.add_argument("--slow-reader", choices=SLOW_READER_POLICIES, default="abort")
+    parser.add_argument("--queue-policy", choices=QUEUE_POLICIES, default="unbounded",
+                        help="admission control (labkit/serve/README.md)")
+    parser.add_argument("--max-queue", type=int, default=8, help="waiting requests for bounded and drop-expired")
+    parser.add_argument("--default-deadline-ms", type=float,
+                        help="deadline of a request that gives none (default: none)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 
