@@ -53,6 +53,21 @@ def test_an_unbounded_stream_keeps_everything_and_ends_with_the_output():
     assert asyncio.run(run()) == list(range(10))
 
 
+def test_coalescing_folds_text_once_the_buffer_is_full_and_loses_nothing():
+    async def run():
+        aborted = []
+        stream = ResultStream(EngineRequest("r", [1], SamplingParams()), aborted.append, max_buffered=3,
+                              policy="coalesce")
+        for i in range(10):
+            stream.put(token(i))
+        stream.put(StreamEnd(None))
+        return aborted, [(e.token_id, e.text) async for e in stream], stream
+    aborted, events, stream = asyncio.run(run())
+    assert aborted == [] and len(events) == 3 and stream.coalesced == 7
+    assert "".join(text for _, text in events) == "".join(f"t{i}" for i in range(10))
+    assert events[-1][0] == 9 and stream.tokens_received == 10
+
+
 def test_a_refused_request_raises_its_value_error():
     async def run():
         stream = ResultStream(EngineRequest("r", [1], SamplingParams()), lambda _: None)

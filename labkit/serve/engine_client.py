@@ -10,7 +10,9 @@ own process, restarted if it dies: what `labkit serve` runs). Routes cannot tell
 A `ResultStream` lives on the event loop. The engine pushes into it and never waits for the
 reader: if a reader falls more than `max_buffered` events behind, the policy decides. `abort`
 (the default) cancels the request, frees its KV blocks and ends the stream with an error;
-`unbounded` keeps everything, the foil chapter 27 measures.
+`coalesce` folds new text into the newest buffered event of its sample, so the buffer stops
+growing and nothing is lost (the reader gets fewer, longer chunks; a stream with logprobs,
+which cannot be folded, is cancelled as under `abort`); `unbounded` keeps everything.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from labkit.engine.limits import EngineLimits
 from labkit.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, TokenEvent
 from labkit.sampling import SamplingParams
 
-SLOW_READER_POLICIES = ("abort", "unbounded")
+SLOW_READER_POLICIES = ("abort", "coalesce", "unbounded")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ResultStream:
         self._ready = asyncio.Event()
         self.output: RequestOutput | None = None
         self.tokens_received = 0      # token events that reached the front end
+        self.coalesced = 0            # events folded into a buffered one (policy "coalesce")
         self.finished = False
         self.attempts = 1
 
@@ -77,7 +80,10 @@ class ResultStream:
         if self.finished:
             return
         if isinstance(item, TokenEvent):
-            if self.policy == "abort" and len(self._items) >= self.max_buffered:
+            full = self.policy != "unbounded" and len(self._items) >= self.max_buffered
+            if full and self.policy == "coalesce" and item.logprob is None and self._coalesce(item):
+                return
+            if full:
                 # The reader keeps what was produced, then learns why it stopped.
                 self._on_abort(self.request_id)
                 item = EngineFailure(f"the client fell {self.max_buffered} events behind; the request "
@@ -87,6 +93,21 @@ class ResultStream:
         self.finished = not isinstance(item, TokenEvent)
         self._items.append(item)
         self._ready.set()
+
+    def _coalesce(self, item: TokenEvent) -> bool:
+        """Fold `item` into the newest buffered event of its sample: one chunk with the text of
+        both, so the buffer stops growing while no token is lost. False if there is none."""
+        for at in range(len(self._items) - 1, -1, -1):
+            last = self._items[at]
+            if isinstance(last, TokenEvent) and last.index == item.index:
+                self._items[at] = TokenEvent(
+                    item.request_id, item.index, item.token_id if item.token_id is not None else last.token_id,
+                    last.text + item.text, item.finished, item.finish_reason, item.time)
+                self.tokens_received += item.token_id is not None
+                self.coalesced += 1
+                self._ready.set()
+                return True
+        return False
 
     # -- the reader's side ---------------------------------------------------------------------
     @property
