@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from labkit.bench.http_load import HttpRecord, percentiles, summarize
+from labkit.bench.http_load import HttpRecord, parse_server_timing, percentiles, summarize
+
+
+def test_server_timing_headers_are_read_in_milliseconds():
+    assert parse_server_timing("read;dur=0.125, parse;dur=2, queue;dur=10.5") == \
+        {"read": 0.125, "parse": 2.0, "queue": 10.5}
+    assert parse_server_timing(None) == {} and parse_server_timing("odd, x;desc=y") == {}
 
 
 def test_percentiles_interpolate_as_numpy_does():
@@ -35,9 +41,10 @@ def test_bench_serve_runs_the_same_workload_both_ways(model):
     from labkit.eval import eval_text
 
     bench = Bench(model, model.tokenizer.encode(eval_text()), quick=True)
-    throughput, ttft, same, naive_throughput, naive_ttft = bench.serve()
+    throughput, ttft, added, same, naive_throughput = bench.serve()
     assert same.ratio == 1.0  # every streamed text equals the in-process run's
     assert throughput.baseline > 0 and throughput.value > 0
     assert ttft.ratio == pytest.approx((ttft.value - ttft.baseline) * 1e3)
     assert len(bench.records["serve_http"]["records"]) == len(bench.batch_workload())
     assert naive_throughput.details["naive_errors"] == 0 and naive_throughput.baseline > 0
+    assert added.details["requests"] == len(bench.batch_workload()) and added.value > 0

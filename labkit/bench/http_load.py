@@ -3,9 +3,10 @@
     closed loop: `concurrency` clients, each sends its next request when the last one ends
     open loop:   each request is sent at its arrival time, whatever is still running
 
-Every request streams (`stream: true` with `include_usage`), so the client sees each token
-as it arrives: the record keeps the send time, the arrival of every chunk with text, the end,
-the usage the server reported and any error. `summarize` gives the percentiles serving
+Requests stream (`stream: true` with `include_usage`) unless `extra` says `"stream": False`,
+so the client sees each token as it arrives: the record keeps the send time, the arrival of
+every chunk with text, the end, the usage the server reported and any error. A whole answer
+keeps its `Server-Timing` stages instead. `summarize` gives the percentiles serving
 benchmarks report: TTFT (send to first token), TPOT (the rest of the request per further
 token), ITL (every gap between tokens) and E2E (send to the end).
 """
@@ -32,6 +33,7 @@ class HttpRecord:
     text: str = ""
     status: int | None = None
     error: str | None = None
+    server_timing: dict[str, float] = field(default_factory=dict)  # ms, whole answers only
 
     @property
     def ok(self) -> bool:
@@ -52,8 +54,40 @@ class HttpRecord:
         return (self.end_s - self.token_s[0]) / (self.output_tokens - 1)
 
 
+def parse_server_timing(header: str | None) -> dict[str, float]:
+    """`read;dur=0.1, parse;dur=0.2` -> {"read": 0.1, "parse": 0.2} (milliseconds)."""
+    out = {}
+    for part in (header or "").split(","):
+        name, _, rest = part.strip().partition(";")
+        if name and rest.startswith("dur="):
+            out[name] = float(rest[4:])
+    return out
+
+
+async def _whole(client: httpx.AsyncClient, url: str, body: dict, record: HttpRecord, start: float,
+                 headers: dict) -> None:
+    record.sent_s = time.perf_counter() - start
+    try:
+        answer = await client.post(url, json=body | {"stream": False}, headers=headers)
+        record.status = answer.status_code
+        if answer.status_code != 200:
+            record.error = answer.text[:500]
+            return
+        payload = answer.json()
+        record.output_tokens = payload["usage"]["completion_tokens"]
+        record.text = "".join(c.get("text") or (c.get("message") or {}).get("content") or ""
+                              for c in payload["choices"])
+        record.server_timing = parse_server_timing(answer.headers.get("server-timing"))
+    except httpx.HTTPError as error:
+        record.error = repr(error)
+    finally:
+        record.end_s = time.perf_counter() - start
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict, record: HttpRecord, start: float,
                headers: dict) -> None:
+    if not body.get("stream"):
+        return await _whole(client, url, body, record, start, headers)
     record.sent_s = time.perf_counter() - start
     try:
         async with client.stream("POST", url, json=body, headers=headers) as answer:
@@ -82,8 +116,11 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, record: HttpReco
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, extra: dict) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
+    if not body["stream"]:
+        body.pop("stream_options")
+    return body
 
 
 async def _closed(url, model, prompts, max_tokens, concurrency, extra, headers,
