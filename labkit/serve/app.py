@@ -15,28 +15,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
-import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from labkit.engine.output import encode_prompt
 from labkit.sampling import SamplingParams
 from labkit.serve import responses
 from labkit.serve.admission import QUEUE_POLICIES, AdmissionControl
+from labkit.serve.calls import Call
 from labkit.serve.engine_client import (SLOW_READER_POLICIES, EngineClient, EngineFailure, EngineRequest,
                                         EngineUnavailable, ResultStream)
 from labkit.serve.errors import APIError, install_error_handlers, invalid
 from labkit.serve.metrics import ServiceMetrics
 from labkit.serve.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                    check_content_type, parse_json_body, validate)
-
-log = logging.getLogger("labkit.serve")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -255,7 +252,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         except APIError as error:
             metrics.count("completions", "refused" if error.status in (429, 503) else "client_error")
             raise
-        call = _Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
+        call = Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
                      fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks,
                      admission.token, closed)
         if fields.stream:
@@ -297,7 +294,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         except APIError as error:
             metrics.count("chat", "refused" if error.status in (429, 503) else "client_error")
             raise
-        call = _Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
+        call = Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
                      logprobs is not None, arrival, metrics, token_text, fields.user, marks,
                      admission.token, closed)
         if fields.stream:
@@ -306,193 +303,3 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         return await call.answer(request, chat=True)
 
     return app
-
-
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _outcome(error: BaseException) -> str:
-    if getattr(error, "code", None) == "deadline_expired":
-        return "dropped"
-    return "client_error" if _failure_error(error).status < 500 else "failed"
-
-
-def _failure_error(error: BaseException) -> APIError:
-    if isinstance(error, ValueError):
-        return invalid(str(error))
-    if isinstance(error, EngineFailure) and error.client_error:
-        return APIError(400, str(error), error.code)
-    return APIError(503, str(error), getattr(error, "code", "engine_failure"), retry_after=1.0)
-
-
-@dataclass
-class _Call:
-    """One HTTP request's engine requests, answered whole or as a stream."""
-
-    route: str
-    response_id: str
-    created: int
-    model: str
-    streams: list[ResultStream]
-    n: int
-    logprobs: bool
-    arrival: float
-    metrics: ServiceMetrics
-    tokens: responses.TokenText
-    user: str | None = None
-    marks: dict[str, float] = field(default_factory=dict)  # perf_counter times (the engine's clock too)
-    on_token: object = None        # admission control: a request started / ended
-    on_closed: object = None
-
-    def server_timing(self) -> str:
-        """The request's stages as a Server-Timing header (ms). Engine times come from its own
-        clock: time.perf_counter is one system-wide monotonic clock on Linux, so the worker's
-        and the front end's readings compare."""
-        out = self.streams[0].output
-        m = self.marks
-        stages = [("read", m["arrival"], m["read"]), ("parse", m["read"], m["parsed"]),
-                  ("tokenize", m["parsed"], m["tokenized"]), ("submit", m["tokenized"], m["submitted"]),
-                  ("to-engine", m["submitted"], out.arrival_time)]
-        if out.first_scheduled_time is not None and out.first_token_time is not None:
-            stages += [("queue", out.arrival_time, out.first_scheduled_time),
-                       ("prefill", out.first_scheduled_time, out.first_token_time)]
-        if out.first_token_time is not None and out.finish_time is not None:
-            stages += [("decode", out.first_token_time, out.finish_time),
-                       ("to-front-end", out.finish_time, m["collected"])]
-        stages.append(("serialize", m["collected"], m["serialized"]))
-        return ", ".join(f"{name};dur={max(0.0, end - begin) * 1e3:.3f}" for name, begin, end in stages)
-
-    def finish(self, outcome: str) -> None:
-        self.metrics.count(self.route, outcome)
-        if outcome == "ok":
-            self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-        log.info("%s %s outcome=%s user=%s prompt_tokens=%s seconds=%.3f", self.route, self.response_id, outcome,
-                 self.user, [len(s.request.prompt_token_ids) for s in self.streams],
-                 time.perf_counter() - self.arrival)
-
-    def abort_all(self) -> None:
-        for stream in self.streams:
-            stream.abort()
-            if self.on_closed is not None:
-                self.on_closed(stream)
-
-    async def _events(self):
-        """(choice index, event) from every stream, in the order they arrive."""
-        pending = {asyncio.ensure_future(s.next()): p for p, s in enumerate(self.streams)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    p = pending.pop(task)
-                    event = task.result()
-                    if event is None:
-                        if self.on_closed is not None:
-                            self.on_closed(self.streams[p])
-                    else:
-                        if event.token_id is not None and self.on_token is not None:
-                            self.on_token(self.streams[p].request_id)
-                        yield p * self.n + event.index, event
-                        pending[asyncio.ensure_future(self.streams[p].next())] = p
-        finally:
-            for task in pending:
-                task.cancel()
-
-    async def _collect(self) -> None:
-        first = None
-        async for _, event in self._events():
-            if first is None and event.token_id is not None:
-                first = time.perf_counter()
-                self.metrics.ttft.observe(first - self.arrival)
-
-    async def answer(self, request: Request, *, chat: bool) -> JSONResponse:
-        work = asyncio.ensure_future(self._collect())
-        gone = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not work.done():
-            work.cancel()
-            self.abort_all()
-            self.finish("cancelled")
-            return JSONResponse({}, status_code=499)  # nobody is listening; nothing is sent
-        try:
-            work.result()
-        except (EngineFailure, ValueError) as error:
-            self.abort_all()
-            self.finish(_outcome(error))
-            return _failure_error(error).response()
-        self.marks["collected"] = time.perf_counter()
-        outputs = [s.output for s in self.streams]
-        tokens = self.tokens if self.logprobs else None
-        if chat:
-            body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
-        else:
-            body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
-        answer = JSONResponse(body, headers={"X-Request-Id": self.response_id})
-        self.marks["serialized"] = time.perf_counter()
-        answer.headers["Server-Timing"] = self.server_timing()
-        self.finish("ok")
-        return answer
-
-    def stream(self, request: Request, *, chat: bool, include_usage: bool) -> StreamingResponse:
-        return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
-                                 headers={"X-Request-Id": self.response_id, "Cache-Control": "no-cache"})
-
-    def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
-        logprobs = None
-        if self.logprobs and event.token_id is not None:
-            top = [event.top_logprobs or ()]
-            logprobs = (responses.chat_logprobs(self.tokens, [event.token_id], [event.logprob], top) if chat else
-                        responses.completion_logprobs(self.tokens, [event.token_id], [event.logprob], top,
-                                                      text_so_far))
-        if not event.text and not event.finished and logprobs is None:
-            return None
-        reason = event.finish_reason if event.finished else None
-        if chat:
-            delta = {"content": event.text} if event.text or logprobs else {}
-            return responses.chat_chunk(self.response_id, self.created, self.model, index, delta, reason, logprobs)
-        return responses.completion_chunk(self.response_id, self.created, self.model, index, event.text,
-                                          reason, logprobs)
-
-    async def _sse(self, chat: bool, include_usage: bool):
-        outcome = "cancelled"
-        last: dict[int, float] = {}
-        lengths: dict[int, int] = {}
-        try:
-            if chat:
-                for index in range(self.n):
-                    role = {"role": "assistant", "content": ""}
-                    yield _sse(responses.chat_chunk(self.response_id, self.created, self.model, index, role, None))
-            async for index, event in self._events():
-                now = time.perf_counter()
-                if event.token_id is not None:
-                    if not last:
-                        self.metrics.ttft.observe(now - self.arrival)
-                    elif index in last:
-                        self.metrics.inter_token.observe(now - last[index])
-                    last[index] = now
-                chunk = self._chunk(chat, index, event, lengths.get(index, 0))
-                lengths[index] = lengths.get(index, 0) + len(event.text)
-                if chunk is not None:
-                    yield _sse(chunk)
-            if include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                outputs = [s.output for s in self.streams]
-                yield _sse(responses.usage_chunk(self.response_id, self.created, self.model, obj, outputs))
-            outcome = "ok"
-        except (EngineFailure, ValueError) as error:
-            outcome = _outcome(error)
-            yield _sse(_failure_error(error).body())
-        finally:
-            self.abort_all()
-            self.finish(outcome)
-        yield "data: [DONE]\n\n"
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
