@@ -43,18 +43,24 @@ def build_naive_app(model_name: str, reference, tokenizer) -> FastAPI:
     app = FastAPI(title="naive")
     lock = threading.Lock()
 
-    class _Text:  # what TextIteratorStreamer needs of a tokenizer
+    class _Text:  # what TextIteratorStreamer needs of a tokenizer: it also decodes one bare id
         def decode(self, ids, skip_special_tokens=False, **_):
+            ids = [ids] if isinstance(ids, int) else ids
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def ids_of(prompt) -> list[int]:
         return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def run(ids: list[int], body: NaiveCompletion, streamer=None) -> list[int]:
-        with lock, torch.inference_mode():
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=body.max_tokens,
-                                     do_sample=True, temperature=body.temperature, pad_token_id=0,
-                                     streamer=streamer)
+        try:
+            with lock, torch.inference_mode():
+                out = reference.generate(torch.tensor([ids]), max_new_tokens=body.max_tokens,
+                                         do_sample=True, temperature=body.temperature, pad_token_id=0,
+                                         streamer=streamer)
+        except BaseException:
+            if streamer is not None:  # else its reader waits for the end forever
+                streamer.end()
+            raise
         return out[0, len(ids):].tolist()
 
     def usage(prompt: int, completion: int) -> dict:
