@@ -69,6 +69,7 @@ class ResultStream:
         self.tokens_received = 0      # token events that reached the front end
         self.coalesced = 0            # events folded into a buffered one (policy "coalesce")
         self.finished = False
+        self.cancelled = False        # the reader asked to stop (it may not have reached the engine)
         self.attempts = 1
 
     @property
@@ -140,6 +141,7 @@ class ResultStream:
 
     def abort(self) -> None:
         if not self.finished:
+            self.cancelled = True
             self._on_abort(self.request_id)
 
 

@@ -12,8 +12,10 @@ streams' buffers.
 If the worker dies, the front end notices within `poll_interval` seconds, ends the streams
 that had already received tokens with an error (those tokens cannot be taken back, so they
 are never retried), keeps the requests that had received nothing, starts a new worker, and
-submits those once more. A request whose second attempt also dies fails. While the worker
-starts, new requests are refused with 503 and `Retry-After`.
+submits those once more, except those whose client cancelled meanwhile (their abort had no
+worker to reach). A request whose second attempt also dies fails. While the worker starts,
+new requests are refused with 503 and `Retry-After`, and the engine's gauges are absent
+from /metrics rather than the dead worker's last values.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ class WorkerEngine:
         code = self._process.exitcode
         log.warning("engine worker %s died (exit code %s); restarting", self.worker_pid, code)
         self._ready = False
+        self._stats = None  # the dead worker's gauges no longer describe anything
         self._close_sockets()
         retry = []
         for stream in self._streams.values():
@@ -242,6 +245,10 @@ class WorkerEngine:
                 stream.put(EngineFailure(f"the engine worker died and did not restart: {error}", code="engine_died"))
             return
         for stream in retry:
+            if stream.cancelled:  # its abort went nowhere (no worker); submitting it again would run it for nobody
+                stream.put(EngineFailure("the request was cancelled while the engine worker restarted",
+                                         code="cancelled", client_error=True))
+                continue
             stream.attempts += 1
             self._streams[stream.request_id] = stream
             self._send(stream.request.command())
