@@ -123,6 +123,32 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
 
+def decoder_layer(c: LlamaConfig, layer: "LayerWeights", x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, cache=None, index: int = 0) -> torch.Tensor:
+    """One decoder layer on hidden states x [B, T, hidden] at the positions whose RoPE
+    tables are `cos`, `sin`: attention (through layer `index` of `cache` if given) and the
+    SwiGLU MLP, each added to the residual stream. Head counts come from `c`, so a config
+    with fewer heads runs a layer that holds only those heads (a tensor-parallel shard)."""
+    batch, steps, _ = x.shape
+    q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+    q, k, v = linear(h, layer.qkv).split([q_width, kv_width, kv_width], dim=-1)
+    # [B, T, heads*D] -> [B, kv_heads, group, T, D] for q; [B, kv_heads, T, D] for k, v
+    q = q.view(batch, steps, c.num_kv_heads, c.group_size, c.head_dim).permute(0, 2, 3, 1, 4)
+    k = k.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    v = v.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        attn = cache.attend(index, q, k, v)
+    else:
+        attn = grouped_attention(q, k, v, 0)  # [B, kv, group, T, D]
+    attn = attn.permute(0, 3, 1, 2, 4).reshape(batch, steps, q_width)
+    x = x + linear(attn, layer.o_proj)
+    h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+    gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, layer.down)
+
+
 MATRICES = ("qkv", "o_proj", "gate_up", "down")  # the matrices of each layer (the rest: norms)
 
 
@@ -185,6 +211,22 @@ class LayerWeights(Weights):
         self.gate_up = gate_up  # [2 * intermediate, hidden]
         self.down = down
 
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], prefix: str,
+                   dtype: torch.dtype = torch.float32) -> "LayerWeights":
+        """The layer whose Hugging Face names start with `prefix` ("model.layers.3."), with
+        q/k/v and gate/up fused."""
+        def w(name: str) -> torch.Tensor:
+            return _aligned(state[prefix + name].to(dtype))
+
+        return cls(attn_norm=w("input_layernorm.weight"),
+                   qkv=_aligned(torch.cat([w(f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                   o_proj=w("self_attn.o_proj.weight"),
+                   mlp_norm=w("post_attention_layernorm.weight"),
+                   gate_up=_aligned(torch.cat([w("mlp.gate_proj.weight"),
+                                               w("mlp.up_proj.weight")])),
+                   down=w("mlp.down_proj.weight"))
+
     def weights(self) -> dict:
         """Name -> tensor (or the module standing in for it), in `WEIGHTS` order."""
         return {name: getattr(self, name) for name in self.WEIGHTS}
@@ -224,18 +266,8 @@ class Llama(Weights):
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = w("model.norm.weight")
-        self.layers = torch.nn.ModuleList()
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(LayerWeights(
-                attn_norm=w(p + "input_layernorm.weight"),
-                qkv=_aligned(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
-                o_proj=w(p + "self_attn.o_proj.weight"),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=_aligned(torch.cat([w(p + "mlp.gate_proj.weight"),
-                                            w(p + "mlp.up_proj.weight")])),
-                down=w(p + "mlp.down_proj.weight"),
-            ))
+        self.layers = torch.nn.ModuleList(
+            LayerWeights.from_state(state, f"model.layers.{i}.", dtype) for i in range(c.num_layers))
         cos, sin = rope_tables(c, rope_len or c.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
@@ -264,24 +296,8 @@ class Llama(Weights):
             positions = torch.arange(steps, device=input_ids.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = F.embedding(input_ids, self.embed)
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = linear(h, layer.qkv).split([q_width, kv_width, kv_width], dim=-1)
-            # [B, T, heads*D] -> [B, kv_heads, group, T, D] for q; [B, kv_heads, T, D] for k, v
-            q = q.view(batch, steps, c.num_kv_heads, c.group_size, c.head_dim).permute(0, 2, 3, 1, 4)
-            k = k.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            v = v.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is not None:
-                attn = cache.attend(index, q, k, v)
-            else:
-                attn = grouped_attention(q, k, v, 0)  # [B, kv, group, T, D]
-            attn = attn.permute(0, 3, 1, 2, 4).reshape(batch, steps, q_width)
-            x = x + linear(attn, layer.o_proj)
-            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            x = decoder_layer(c, layer, x, cos, sin, cache, index)
         if cache is not None:
             cache.advance(steps)
         if last_only:
