@@ -1,0 +1,337 @@
+"""Chapter 30's scenarios about what clients and the service decide when time runs out or an
+attempt fails: timeouts, retries, and a random mix of everything with a worker kill.
+
+* :func:`timeouts`: a client-side timeout (the client leaves; the service cancels) and a
+  server-side deadline under `--queue-policy drop-expired` (a waiting request is dropped with
+  503 `deadline_expired`; one without a deadline waits its turn).
+* :func:`retries`: one worker kill under three streaming clients (a naive greedy one, a safe
+  greedy one, a naive sampled one) and, while the worker restarts, a safe client that had
+  received nothing: the naive retry duplicates text, the safe rule never does.
+* :func:`cancel_during_restart`: a client that leaves while the worker restarts, when the
+  service holds its request to submit it again.
+* :func:`random_mix`: many kinds of request at once, with a worker kill in the middle.
+
+The shared pieces (the :class:`~labkit.experiments.faults.Scenario` record, solo runs, the
+post-condition) are in :mod:`labkit.experiments.faults`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+
+from labkit.experiments import fault_client as fc
+from labkit.experiments.fault_client import Outcome, body, first_difference, should_retry
+from labkit.experiments.faults import Scenario, await_idle, async_client, until_free, bad_requests, solo_texts
+
+CANCELLED = 'labkit_requests_total{outcome="cancelled",route="completions"}'
+DROPPED = 'labkit_requests_total{outcome="dropped",route="completions"}'
+
+
+def backoff_s(attempt: int, base: float = 0.25, cap: float = 4.0) -> float:
+    """Seconds to wait before attempt `attempt + 1` (attempt 1 failed: `base`), doubling up
+    to `cap`: bounded, so a client that retries cannot hammer a restarting service."""
+    if attempt < 1:
+        raise ValueError("attempts count from 1")
+    return min(cap, base * 2 ** (attempt - 1))
+
+
+# -- e. timeouts -------------------------------------------------------------------------------
+
+def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: int = 300,
+             filler_tokens: int = 80, deadline_ms: float = 800.0, waiting_tokens: int = 8,
+             quiet_s: float = 0.5) -> Scenario:
+    """Two timeouts. (1) A whole request of `long_tokens` from a client with an httpx timeout
+    of `client_timeout_s`: when is its KV freed, and does the engine stop stepping? (2) With
+    every engine slot taken by a long stream (`prompts[1:]`, one per slot of
+    `--max-num-seqs`), a request with `deadline_ms` and one with none wait: the first is
+    dropped (`--queue-policy drop-expired`), the second waits its turn and is answered."""
+    impatient = Outcome("client timeout", "whole, client timeout")
+    fillers = [Outcome(f"filler-{i}", "stream") for i in range(len(prompts) - 1)]
+    waiting = Outcome("deadline, waiting", "whole, deadline")
+    patient = Outcome("no deadline, waiting", "whole")
+    found: dict = {}
+
+    async def client_side(poller) -> None:
+        await await_idle(poller, url)
+        found["cancelled_before"] = (await poller.metrics())[CANCELLED]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(client_timeout_s)) as client:
+            await fc.whole(client, url, body(prompts[0], long_tokens), impatient)
+        if impatient.code == "ReadTimeout":
+            impatient.ended = "left"
+        found["release_after_timeout_s"], _ = await until_free(poller, url, impatient.ended_at)
+        first = (await poller.metrics())["labkit_engine_steps_total"]
+        await asyncio.sleep(quiet_s)
+        m = await poller.metrics()
+        found["steps_while_quiet"] = m["labkit_engine_steps_total"] - first
+        found["cancelled_counted"] = m[CANCELLED] - found["cancelled_before"]
+
+    async def server_side(poller) -> None:
+        await await_idle(poller, url)
+        found["dropped_before"] = (await poller.metrics())[DROPPED]
+        leave = asyncio.Event()
+        async with async_client() as client:
+            firsts = [asyncio.Event() for _ in fillers]
+            run = [asyncio.create_task(fc.stream(client, url, body(p, filler_tokens), o, stop=leave,
+                                                 on_chunk=lambda _o, e=e: e.set()))
+                   for p, o, e in zip(prompts[1:], fillers, firsts)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
+            late = asyncio.create_task(fc.whole(client, url, body(prompts[0], waiting_tokens), patient))
+            await fc.whole(client, url, body(prompts[0], waiting_tokens, deadline_ms=deadline_ms), waiting)
+            found["queue_at_drop"] = (await poller.metrics()).get("labkit_queue_length")
+
+            async def shrank():
+                return (await poller.metrics()).get("labkit_queue_length") == 1
+            found["queue_shrank_after_s"] = await fc.await_until(shrank, timeout=10)
+            found["fillers_running_at_drop"] = sum(not t.done() for t in run)
+            leave.set()
+            await asyncio.gather(*run, late)
+        found["dropped_counted"] = (await poller.metrics())[DROPPED] - found["dropped_before"]
+
+    async def go():
+        async with fc.Poller(url) as poller:
+            await client_side(poller)
+            await server_side(poller)
+
+    fc.run_async(go)
+    return Scenario(
+        "timeouts", f"a client that gives up after {client_timeout_s} s; a request with a "
+                    f"{deadline_ms:.0f} ms deadline waiting behind {len(fillers)} busy slots",
+        [impatient, waiting, patient] + fillers,
+        {k: v for k, v in found.items() if k.endswith("_s")} | {"client_timeout_s": client_timeout_s},
+        {k: v for k, v in found.items() if not k.endswith("_s")},
+        {"the client's timeout fired": impatient.ended == "left" and impatient.seconds >= client_timeout_s,
+         "the service counted it as cancelled": found["cancelled_counted"] == 1,
+         "the engine stopped stepping for it": found["steps_while_quiet"] == 0,
+         "the waiting request was dropped with 503 deadline_expired":
+             waiting.status == 503 and waiting.code == "deadline_expired" and bool(waiting.shape_ok),
+         "no later than its deadline": waiting.seconds <= deadline_ms / 1e3 + 0.1,
+         "the engine's queue lost it while the slots stayed busy":
+             found["fillers_running_at_drop"] == len(fillers),
+         "the service counted it as dropped": found["dropped_counted"] == 1,
+         "the request without a deadline waited and was answered": patient.status == 200})
+
+
+# -- f. retries -------------------------------------------------------------------------------
+
+async def _retrying_stream(client, url, request: dict, policy: str, out: Outcome, got: asyncio.Event,
+                           kill_after: int, max_attempts: int) -> None:
+    """A streaming client that shows every chunk it receives and, after a failed attempt,
+    retries the same request if `should_retry(policy, ...)` says so."""
+    out.sent_at = time.perf_counter()
+    while True:
+        attempt = Outcome(out.label, out.kind)
+        await fc.stream(client, url, request, attempt,
+                        on_chunk=lambda o: got.set() if o.chunks >= kill_after else None)
+        out.text += attempt.text
+        out.parts.append(attempt.text)
+        out.chunks += attempt.chunks
+        out.status, out.code, out.ended, out.shape_ok = attempt.status, attempt.code, attempt.ended, attempt.shape_ok
+        if attempt.ended == "answer" or not should_retry(policy, status=attempt.status, code=attempt.code,
+                                                          tokens_received=out.chunks, attempt=out.attempts,
+                                                          max_attempts=max_attempts):
+            break
+        await asyncio.sleep(backoff_s(out.attempts))
+        out.attempts += 1
+    out.ended_at = time.perf_counter()
+    out.seconds = out.ended_at - out.sent_at
+
+
+async def _retrying_whole(client, url, request: dict, out: Outcome, max_attempts: int) -> None:
+    """The safe rule for a whole answer: retry transient failures (none of its tokens was shown)."""
+    out.sent_at = time.perf_counter()
+    while True:
+        attempt = Outcome(out.label, out.kind)
+        await fc.whole(client, url, request, attempt)
+        out.parts.append(attempt.code or "answer")
+        out.status, out.code, out.ended, out.text = attempt.status, attempt.code, attempt.ended, attempt.text
+        if attempt.ended == "answer" or not should_retry("safe", status=attempt.status, code=attempt.code,
+                                                          tokens_received=0, attempt=out.attempts,
+                                                          max_attempts=max_attempts):
+            break
+        await asyncio.sleep(backoff_s(out.attempts))
+        out.attempts += 1
+    out.ended_at = time.perf_counter()
+    out.seconds = out.ended_at - out.sent_at
+
+
+def retries(url: str, prompt, sampled_prompt, max_tokens: int, *, kill_after: int = 4,
+            max_attempts: int = 10, temperature: float = 1.0) -> Scenario:
+    """Kill the worker under three streaming clients, each with `kill_after` chunks shown:
+    a naive greedy client (retries any transient failure), a safe greedy one (retries only
+    if nothing was shown) and a naive sampled one (`temperature`, no seed). Right after the
+    kill, a safe client asks for the same greedy answer whole and meets the restart."""
+    solo = solo_texts(url, [prompt], max_tokens)[0]
+    naive = Outcome("naive, greedy", "stream, naive retry", expected=solo)
+    safe = Outcome("safe, greedy", "stream, safe retry", expected=solo)
+    sampled = Outcome("naive, sampled", "stream, naive retry")
+    fresh = Outcome("safe, sent during the restart", "whole, safe retry", expected=solo)
+    marks: dict = {}
+
+    async def go():
+        async with async_client() as client:
+            got = [asyncio.Event() for _ in range(3)]
+            plan = [(body(prompt, max_tokens), "naive", naive),
+                    (body(prompt, max_tokens), "safe", safe),
+                    (body(sampled_prompt, max_tokens, temperature=temperature), "naive", sampled)]
+            tasks = [asyncio.create_task(_retrying_stream(client, url, request, policy, out, g, kill_after,
+                                                          max_attempts))
+                     for (request, policy, out), g in zip(plan, got)]
+            await asyncio.wait_for(asyncio.gather(*(g.wait() for g in got)), 120)
+            marks["pid"], marks["kill"] = fc.kill_worker(url)
+
+            async def noticed():
+                answer = await client.get(url + "/health")
+                return answer.status_code == 503
+            await fc.await_until(noticed, timeout=30)
+            await _retrying_whole(client, url, body(prompt, max_tokens), fresh, max_attempts)
+            await asyncio.gather(*tasks)
+
+    fc.run_async(go)
+    partial = naive.parts[0] if naive.parts else ""
+    retried_sample = sampled.parts[-1] if len(sampled.parts) > 1 else ""
+    differs_at = first_difference(sampled.parts[0], retried_sample[:len(sampled.parts[0])])
+    return Scenario(
+        "retries", f"SIGKILL of worker {marks['pid']} after {kill_after} chunks of three streams; a "
+                   "whole request sent while the worker restarted",
+        [naive, safe, sampled, fresh],
+        {"fresh_seconds": fresh.seconds},
+        {"naive_shown_chars": len(naive.text), "solo_chars": len(solo), "duplicated_chars": len(partial),
+         "sampled_first_difference": differs_at, "fresh_attempts": fresh.attempts},
+        {"naive: the shown text is the partial text and then the whole answer":
+             naive.ended == "answer" and naive.attempts >= 2 and bool(partial) and naive.text == partial + solo,
+         "safe: no retry after tokens were shown": safe.attempts == 1 and safe.ended == "error",
+         "safe: what was shown is a prefix of the solo answer, never duplicated":
+             bool(safe.text) and solo.startswith(safe.text) and safe.text != solo,
+         "safe: the request sent during the restart was refused with 503, then answered":
+             fresh.parts[0] == "engine_unavailable" and fresh.status == 200 and bool(fresh.matches)})
+
+
+# -- a cancel that arrives while the worker restarts ----------------------------------------------
+
+def cancel_during_restart(url: str, prompts, queued_prompt, queued_tokens: int, *, stream_tokens: int = 64,
+                          kill_after: int = 2, ready_timeout: float = 240.0) -> Scenario:
+    """Fill every engine slot with a stream (`prompts`), queue one whole request of
+    `queued_tokens`, kill the worker, and cancel the queued request's client while the new
+    worker starts. The service keeps a request that had received nothing to submit it again;
+    does the cancel reach it, or does the new worker run it for nobody?"""
+    streams = [Outcome(f"stream-{i}", "stream") for i in range(len(prompts))]
+    queued = Outcome("waiting, cancelled during the restart", "whole")
+    marks: dict = {}
+
+    async def go():
+        async with async_client() as client, fc.Poller(url) as poller:
+            got = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(fc.stream(client, url, body(p, stream_tokens), o,
+                                                   on_chunk=lambda o, e=e: e.set() if o.chunks >= kill_after
+                                                   else None))
+                     for p, o, e in zip(prompts, streams, got)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in got)), 120)
+            waiting = asyncio.create_task(fc.whole(client, url, body(queued_prompt, queued_tokens), queued))
+
+            async def in_queue():
+                return (await poller.metrics()).get("labkit_queue_length", 0) >= 1
+            await fc.await_until(in_queue, timeout=30)
+            marks["pid"], marks["kill"] = fc.kill_worker(url)
+
+            async def restarting():
+                return (await poller.health())[0] == 503
+            await fc.await_until(restarting, timeout=30)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            marks["cancel"] = time.perf_counter()
+            queued.ended, queued.ended_at = "left", marks["cancel"]
+            queued.seconds = queued.ended_at - queued.sent_at
+            await asyncio.gather(*tasks)
+
+            async def back():
+                status, state = await poller.health()
+                return status == 200 and state["worker_pid"] != marks["pid"]
+            await fc.await_until(back, timeout=ready_timeout)
+            marks["ready"] = time.perf_counter()
+            marks["open_after_restart"] = (await poller.health())[1]["open_requests"]
+            while True:
+                m, (_, state) = await poller.metrics(), await poller.health()
+                if fc.idle(m) and state["open_requests"] == 0:
+                    marks["idle"], marks["steps"] = time.perf_counter(), m.get("labkit_engine_steps_total")
+                    break
+                await asyncio.sleep(0.01)
+
+    fc.run_async(go)
+    return Scenario(
+        "cancel_during_restart", f"SIGKILL of worker {marks['pid']} with one request waiting; its client "
+                                 "left while the new worker started",
+        streams + [queued],
+        {"restart_s": marks["ready"] - marks["kill"], "cancel_after_kill_s": marks["cancel"] - marks["kill"],
+         "busy_after_restart_s": marks["idle"] - marks["ready"]},
+        {"engine_steps_after_restart": marks["steps"], "open_requests_after_restart": marks["open_after_restart"],
+         "queued_tokens": queued_tokens},
+        {"the cancel reached the engine: no work after the restart": marks["steps"] == 0,
+         "the streams that had tokens ended with an error": all(o.ended == "error" for o in streams)})
+
+
+# -- g. a random mix with a worker kill ----------------------------------------------------------
+
+MIX_KINDS = ("stream", "whole", "leave", "bad", "timeout", "sampled")
+
+
+def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bool = True,
+               client_timeout_s: float = 0.6, max_tokens: tuple[int, int] = (8, 48)) -> Scenario:
+    """`requests` requests of random kinds (:data:`MIX_KINDS`), half sent at once, the worker
+    killed once three are open, then the other half: every request must end with an answer,
+    an error in the one shape, or its client's own departure."""
+    rng = random.Random(seed)
+    table = bad_requests()
+    plan = []
+    for i in range(requests):
+        kind = rng.choice(MIX_KINDS)
+        plan.append((kind, rng.choice(prompts), rng.randint(*max_tokens), rng.choice(table), rng.randint(1, 6)))
+    outcomes = [Outcome(f"{kind}-{i}", kind) for i, (kind, *_) in enumerate(plan)]
+    marks: dict = {}
+
+    async def one(client, spec, out: Outcome) -> None:
+        kind, prompt, tokens, bad, leave_after = spec
+        if kind == "bad":
+            _, path, content, headers, _, _ = bad
+            await fc.raw(client, url, path, content, headers, out)
+        elif kind == "whole":
+            await fc.whole(client, url, body(prompt, tokens), out)
+        elif kind == "timeout":
+            async with httpx.AsyncClient(timeout=httpx.Timeout(client_timeout_s)) as impatient:
+                await fc.whole(impatient, url, body(prompt, 80), out)
+            if out.code == "ReadTimeout":
+                out.ended = "left"
+        else:
+            extra = {"temperature": 1.0} if kind == "sampled" else {}
+            await fc.stream(client, url, body(prompt, tokens, **extra), out,
+                            leave_after=leave_after if kind == "leave" else None)
+
+    async def go():
+        async with async_client() as client, fc.Poller(url) as poller:
+            half = requests // 2
+            first = [asyncio.create_task(one(client, s, o)) for s, o in zip(plan[:half], outcomes[:half])]
+            if kill:
+                async def busy():
+                    status, state = await poller.health()
+                    return status == 200 and state["open_requests"] >= 3
+                await fc.await_until(busy, timeout=60)
+                marks["pid"], marks["kill"] = fc.kill_worker(url)
+            rest = [asyncio.create_task(one(client, s, o)) for s, o in zip(plan[half:], outcomes[half:])]
+            await asyncio.gather(*first, *rest)
+
+    fc.run_async(go)
+    bad_ok = [(o.status, o.code) == (spec[3][4], spec[3][5]) for spec, o in zip(plan, outcomes) if spec[0] == "bad"]
+    good_errors = {o.code for spec, o in zip(plan, outcomes) if spec[0] != "bad" and o.ended == "error"}
+    return Scenario(
+        "random_mix", f"{requests} requests of {len(MIX_KINDS)} kinds, seed {seed}"
+                      + (f", worker {marks['pid']} killed among them" if kill else ""),
+        outcomes, {}, {"kinds": {k: sum(s[0] == k for s in plan) for k in MIX_KINDS},
+                       "error_codes": sorted(c for c in good_errors if c)},
+        {"every request ended": all(o.ended in ("answer", "error", "left") for o in outcomes),
+         "every error in the one shape": all(o.shape_ok for o in outcomes if o.ended == "error"),
+         "bad requests got their documented status and code": all(bad_ok),
+         "good requests failed only because the worker died":
+             good_errors <= {"engine_died", "engine_unavailable"}})

@@ -1,0 +1,225 @@
+"""Chapter 30's fault injection: the pure helpers (fast), then every scenario against one live
+`labkit serve` in worker mode (slow), each followed by the common post-condition.
+
+References: Prometheus' own parser for the metrics text, the error table of
+labkit/serve/README.md, the service's solo runs for batched text, the engine's simple loop in
+this process for the fresh probe, and the service's counters for what the clients saw."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from labkit.experiments import fault_client as fc
+from labkit.experiments import fault_policies as fp
+from labkit.experiments import faults as fx
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+METRICS_TEXT = """# HELP labkit_queue_length requests waiting for the engine
+# TYPE labkit_queue_length gauge
+labkit_queue_length 2.0
+# TYPE labkit_preemptions_total counter
+labkit_preemptions_total 7.0
+labkit_requests_total{outcome="ok",route="completions"} 13.0
+labkit_requests_total{outcome="cancelled",route="chat"} 1.0
+labkit_e2e_request_latency_seconds_bucket{le="0.005"} 0.0
+"""
+
+
+def test_metrics_are_parsed_as_prometheus_reads_them():
+    ours = fc.parse_metrics(METRICS_TEXT)
+    theirs = {}
+    for family in text_string_to_metric_families(METRICS_TEXT):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            theirs[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    assert ours == theirs
+
+
+def test_the_one_error_shape_is_recognised_and_nothing_else():
+    good = {"error": {"message": "no", "type": "invalid_request_error", "param": None, "code": "invalid_json"}}
+    assert fc.error_code(good) == ("invalid_json", True)
+    assert fc.error_code({"error": {"message": "no", "code": "x"}}) == ("x", False)    # fields missing
+    assert fc.error_code(good | {"detail": 1}) == ("invalid_json", False)             # extra top-level key
+    assert fc.error_code({"error": good["error"] | {"message": ""}})[1] is False       # empty message
+    assert fc.error_code({"detail": "Not Found"}) == (None, False)                    # FastAPI's default
+
+
+@pytest.mark.parametrize("status, code, transient", [
+    (None, None, True), (429, "queue_full", True), (503, "engine_unavailable", True),
+    (200, "engine_died", True), (503, "deadline_expired", False), (503, "deadline_unreachable", False),
+    (400, "invalid_type", False), (404, "model_not_found", False), (413, "body_too_large", False)])
+def test_only_transient_failures_are_worth_a_retry(status, code, transient):
+    assert fc.is_transient(status, code) is transient
+
+
+def test_the_safe_rule_never_retries_after_a_token_was_shown():
+    common = {"status": 200, "code": "engine_died", "attempt": 1, "max_attempts": 3}
+    assert fc.should_retry("naive", tokens_received=5, **common)
+    assert not fc.should_retry("safe", tokens_received=5, **common)
+    assert fc.should_retry("safe", tokens_received=0, **common)
+    assert not fc.should_retry("safe", tokens_received=0, **common | {"attempt": 3})  # bounded
+    assert not fc.should_retry("naive", tokens_received=0, **common | {"status": 400, "code": "invalid_value"})
+    with pytest.raises(ValueError):
+        fc.should_retry("eager", tokens_received=0, **common)
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [fp.backoff_s(a, 0.25, 2.0) for a in range(1, 7)] == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0]
+    with pytest.raises(ValueError):
+        fp.backoff_s(0)
+
+
+def test_first_difference():
+    assert fc.first_difference("abc", "abc") is None
+    assert fc.first_difference("abcd", "abXd") == 2
+    assert fc.first_difference("ab", "abc") == 2
+    assert fc.first_difference("", "a") == 0
+
+
+def test_release_summary_in_seconds_and_steps():
+    summary = fx.release_summary([0.01, 0.02, 0.03, 0.04, 0.05], step_s=0.02)
+    assert summary["median_s"] == pytest.approx(0.03) and summary["max_s"] == 0.05
+    assert summary["median_steps"] == pytest.approx(1.5) and summary["max_steps"] == pytest.approx(2.5)
+    assert summary["p99_s"] == pytest.approx(0.05 - 0.01 * 0.04)  # linear interpolation
+
+
+def test_server_timing_header():
+    stages = fx.server_timing("read;dur=0.120, queue;dur=3.000, decode;dur=250.500")
+    assert stages == {"read": 0.12, "queue": 3.0, "decode": 250.5}
+
+
+def test_bad_requests_are_all_documented_client_errors():
+    table = fx.bad_requests()
+    assert len({what for what, *_ in table}) == len(table)
+    assert all(400 <= status < 500 and code for *_, status, code in table)
+    assert any(len(content) > (1 << 20) for _, _, content, _, _, _ in table)  # over the body limit
+
+
+def test_prompt_pool_gives_disjoint_slices():
+    pool = fx.prompt_pool(4, 16)
+    assert [len(p) for p in pool] == [16] * 4
+    later = fx.prompt_pool(2, 16, first=2)
+    assert later == pool[2:]
+
+
+def test_the_poller_reads_what_httpx_reads():
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    from labkit.serve.server import BackgroundServer
+
+    app = FastAPI()
+    app.get("/metrics")(lambda: Response(METRICS_TEXT, media_type="text/plain"))
+    app.get("/health")(lambda: {"status": "ok", "worker_pid": 1})
+    with BackgroundServer(app) as server:
+        async def read():
+            async with fc.Poller(server.url) as poller:
+                return await poller.metrics(), await poller.health(), await poller.metrics()
+        first, state, again = fc.run_async(read)
+        assert first == again == fc.parse_metrics(httpx.get(server.url + "/metrics").text)
+        assert state == (200, {"status": "ok", "worker_pid": 1})
+        assert len(fc.run_async(lambda: fc.poll_round_trips(server.url, 3))) == 3
+
+
+def test_run_async_works_inside_a_running_loop():
+    async def inner():
+        return fc.run_async(lambda: asyncio.sleep(0, result=42))
+    assert asyncio.run(inner()) == 42
+
+
+# -- the scenarios, against one live service ------------------------------------------------------
+
+SLOTS = 4
+SERVE = ["--kv-cache-tokens", "512", "--max-num-seqs", str(SLOTS), "--threads", "1",
+         "--queue-policy", "drop-expired", "--max-queue", "32"]
+
+
+@pytest.fixture(scope="module")
+def service():
+    with fc.LiveService(*SERVE) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def probe(model):
+    return fx.reference_probe(model)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return fx.prompt_pool(24, 32)
+
+
+def _holds(record: fx.Scenario, url: str, probe: fx.Probe) -> fx.Scenario:
+    record.after = fx.after_scenario(url, probe)
+    assert record.after["ok"], record.after
+    return record
+
+
+@pytest.mark.slow
+def test_kv_exhaustion_preempts_and_keeps_every_token(service, probe, pool):
+    record = _holds(fx.kv_exhaustion(service.url, pool[0:4], 104), service.url, probe)
+    assert record.counters["demand_blocks"] > record.counters["pool_blocks"]
+    assert record.counters["preemptions"] > 0
+    assert all(o.status == 200 and o.text == o.expected for o in record.outcomes), record.rows()
+
+
+@pytest.mark.slow
+def test_malformed_requests_get_their_error_and_leave_good_ones_alone(service, probe, pool):
+    record = _holds(fx.malformed(service.url, pool[9:12], 24), service.url, probe)
+    assert record.checks["good text equals the solo run"] and record.checks["every error body in the one shape"]
+    assert record.checks["each with its documented status and code"], record.rows()
+    assert record.counters["good_streams_running_when_the_bad_were_answered"] > 0
+
+
+@pytest.mark.slow
+def test_a_disconnect_frees_its_blocks_within_a_few_steps(service, probe, pool):
+    step = fx.engine_step_seconds(service.url, pool[12])
+    assert step["engine_steps_per_request"] == [step["tokens"]] * 3
+    record = _holds(fx.disconnects(service.url, pool[13], trials=4), service.url, probe)
+    assert record.ok, record.checks
+    for mode, samples in record.timings["release_s"].items():
+        assert max(samples) < 10 * step["step_s"] + 0.2, (mode, samples)
+
+
+@pytest.mark.slow
+def test_timeouts_stop_the_engine_and_deadlines_drop_only_the_waiting(service, probe, pool):
+    record = _holds(fp.timeouts(service.url, pool[14:14 + SLOTS + 1]), service.url, probe)
+    assert record.ok, (record.checks, record.counters)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_started_streams_and_retries_the_waiting_one(service, probe, pool):
+    record = _holds(fx.worker_kill(service.url, pool[4:4 + SLOTS], 64, pool[8], 8), service.url, probe)
+    assert record.ok, (record.checks, record.rows())
+    assert 0 < record.timings["restart_s"] < 120
+
+
+@pytest.mark.slow
+def test_a_naive_retry_duplicates_text_and_the_safe_rule_never_does(service, probe, pool):
+    record = _holds(fp.retries(service.url, pool[19], pool[20], 40), service.url, probe)
+    assert record.ok, (record.checks, [o.parts for o in record.outcomes])
+    naive, safe = record.outcomes[0], record.outcomes[1]
+    assert naive.text.count(naive.parts[0]) >= 2 and naive.text != naive.expected
+    assert naive.expected.startswith(safe.text)
+
+
+@pytest.mark.slow
+def test_a_random_mix_with_a_worker_kill_ends_every_request(service, probe, pool):
+    record = _holds(fp.random_mix(service.url, pool[21:24], requests=12, seed=3), service.url, probe)
+    assert record.ok, (record.checks, record.rows())
+
+
+@pytest.mark.slow
+def test_a_cancel_during_a_restart_leaves_the_service_clean(service, probe, pool):
+    record = _holds(fp.cancel_during_restart(service.url, pool[4:4 + SLOTS], pool[8], 40), service.url, probe)
+    assert record.checks["the streams that had tokens ended with an error"]
+    # The abort had no worker to reach; the stream keeps it, so the request is not submitted
+    # again and the new worker does nothing.
+    assert record.checks["the cancel reached the engine: no work after the restart"]
+    assert record.counters["engine_steps_after_restart"] == 0
