@@ -39,7 +39,7 @@ reproduce: model
 test: test-unit test-notebooks
 
 test-unit: model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Every chapter's checked cells, ci profile; the flag keeps live-only widgets out.
 test-notebooks: model
