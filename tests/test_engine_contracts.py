@@ -10,7 +10,7 @@ import torch
 from conftest import PROMPTS
 from labkit.experiments import part_checks as checks
 from labkit.experiments import sampler_streams
-from labkit.engine.contracts import (Backend, EngineModel, Loop, Sampler, TokenizerLike, TransformersBackend,
+from labkit.engine.contracts import (LogitsModel, EngineModel, Loop, Sampler, TokenizerLike, TransformersAdapter,
                                      conformance_problems, conforms)
 from labkit.engine.loop import generate
 from labkit.sampling import SamplingParams, sample
@@ -39,7 +39,7 @@ def hf_tokenizer():
 
 def test_labkit_parts_conform(model):
     assert conforms(model.tokenizer, TokenizerLike)
-    assert conforms(model, Backend)
+    assert conforms(model, LogitsModel)
     assert conforms(model, EngineModel)
     assert conforms(sample, Sampler)
     assert conforms(generate, Loop)
@@ -47,7 +47,7 @@ def test_labkit_parts_conform(model):
 
 def test_parts_do_not_conform_to_other_parts_contracts(model):
     assert not conforms(model, TokenizerLike)
-    assert not conforms(model.tokenizer, Backend)
+    assert not conforms(model.tokenizer, LogitsModel)
     assert not conforms(sample, Loop)  # seed= and step= are required keywords
     assert not conforms(generate, Sampler)
 
@@ -77,11 +77,11 @@ class _Swallows:
 def test_an_object_missing_a_method_does_not_conform(model):
     assert not conforms(_NoDecode(), TokenizerLike)
     assert conformance_problems(_NoDecode(), TokenizerLike) == ["missing decode"]
-    assert not conforms(_NoCache(), Backend)
-    assert "missing new_cache" in conformance_problems(_NoCache(), Backend)
-    # A model without a tokenizer is a Backend but not what generate() takes.
-    bare = TransformersBackend(model=None)
-    assert conforms(bare, Backend) and not conforms(bare, EngineModel)
+    assert not conforms(_NoCache(), LogitsModel)
+    assert "missing new_cache" in conformance_problems(_NoCache(), LogitsModel)
+    # A model without a tokenizer is a LogitsModel but not what generate() takes.
+    bare = TransformersAdapter(model=None)
+    assert conforms(bare, LogitsModel) and not conforms(bare, EngineModel)
 
 
 def test_signatures_are_checked_not_just_names():
@@ -92,7 +92,7 @@ def test_signatures_are_checked_not_just_names():
 
 
 def test_nested_part_must_conform(model):
-    class WithBadTokenizer(TransformersBackend):
+    class WithBadTokenizer(TransformersAdapter):
         pass
 
     adapter = WithBadTokenizer(model=None, tokenizer=_NoDecode())
@@ -100,10 +100,10 @@ def test_nested_part_must_conform(model):
 
 
 def test_transformers_model_conforms_only_through_the_adapter(model, reference):
-    assert not conforms(reference, Backend)
-    assert "missing new_cache" in conformance_problems(reference, Backend)
-    adapter = TransformersBackend(reference, tokenizer=model.tokenizer)
-    assert conforms(adapter, Backend) and conforms(adapter, EngineModel)
+    assert not conforms(reference, LogitsModel)
+    assert "missing new_cache" in conformance_problems(reference, LogitsModel)
+    adapter = TransformersAdapter(reference, tokenizer=model.tokenizer)
+    assert conforms(adapter, LogitsModel) and conforms(adapter, EngineModel)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     assert generate(adapter, PROMPTS[1], params).token_ids == generate(model, PROMPTS[1], params).token_ids
 

@@ -2,7 +2,7 @@
 
 Engine v0 (``labkit.engine.loop.generate``) is five parts with narrow interfaces::
 
-    text --TokenizerLike.encode--> ids --Backend(ids, cache=...)--> logits
+    text --TokenizerLike.encode--> ids --LogitsModel(ids, cache=...)--> logits
          --Sampler(logits, params, seed=, step=, seen_token_ids=)--> token id
          ... repeated by the Loop ... --TokenizerLike.decode--> text,
     all recorded in a Generation (token ids, text, finish reason, StageTimings).
@@ -33,14 +33,14 @@ from labkit.sampling import SamplingParams
 
 __all__ = [
     "TokenizerLike",
-    "Backend",
+    "LogitsModel",
     "EngineModel",
     "Sampler",
     "Loop",
     "PROTOCOLS",
     "conformance_problems",
     "conforms",
-    "TransformersBackend",
+    "TransformersAdapter",
 ]
 
 
@@ -61,7 +61,7 @@ class TokenizerLike(Protocol):
 
 
 @runtime_checkable
-class Backend(Protocol):
+class LogitsModel(Protocol):
     """The model: token ids ``[batch, seq]`` to logits ``[batch, seq or 1, vocab]``.
 
     With a ``cache`` (made by ``new_cache``) the call appends the new positions to it and
@@ -76,7 +76,7 @@ class Backend(Protocol):
 
 
 @runtime_checkable
-class EngineModel(Backend, Protocol):
+class EngineModel(LogitsModel, Protocol):
     """What ``generate`` takes: a backend that carries its tokenizer."""
 
     tokenizer: TokenizerLike
@@ -103,7 +103,7 @@ class Loop(Protocol):
                  on_text: Callable[[str], None] | None = None) -> Generation: ...
 
 
-PROTOCOLS = {"tokenizer": TokenizerLike, "backend": Backend, "engine model": EngineModel,
+PROTOCOLS = {"tokenizer": TokenizerLike, "backend": LogitsModel, "engine model": EngineModel,
              "sampler": Sampler, "loop": Loop}
 
 _VAR_POS, _VAR_KW = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
@@ -209,8 +209,8 @@ def conforms(obj: Any, protocol: type) -> bool:
     return isinstance(obj, protocol) and not conformance_problems(obj, protocol)
 
 
-class TransformersBackend:
-    """Adapter: a ``transformers`` causal LM as a :class:`Backend` (and, with a tokenizer,
+class TransformersAdapter:
+    """Adapter: a ``transformers`` causal LM as a :class:`LogitsModel` (and, with a tokenizer,
     an :class:`EngineModel`), so engine v0's loop runs on it unchanged.
 
     The cache is transformers' ``DynamicCache`` (it grows, so ``max_len`` is not needed);

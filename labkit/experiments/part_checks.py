@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from labkit.engine.contracts import Backend, EngineModel, Loop, Sampler, TokenizerLike
+from labkit.engine.contracts import LogitsModel, EngineModel, Loop, Sampler, TokenizerLike
 from labkit.sampling import SamplingParams, probabilities, sample
 
 __all__ = [
@@ -100,7 +100,7 @@ def _reference_logits(reference_model: Any, ids: list[int]) -> torch.Tensor:
         return reference_model(torch.tensor([ids])).logits[0].float()
 
 
-def _cached_logits(backend: Backend, ids: list[int], split: int) -> torch.Tensor:
+def _cached_logits(backend: LogitsModel, ids: list[int], split: int) -> torch.Tensor:
     """Logits of ``ids`` computed the way the loop does: prefill ``ids[:split]`` into a cache,
     then one token per call."""
     cache = backend.new_cache(batch=1, max_len=len(ids))
@@ -109,7 +109,7 @@ def _cached_logits(backend: Backend, ids: list[int], split: int) -> torch.Tensor
     return torch.cat(parts).float()
 
 
-def check_backend(backend: Backend, reference_model: Any, prompts: Sequence[list[int]], *,
+def check_backend(backend: LogitsModel, reference_model: Any, prompts: Sequence[list[int]], *,
                   atol: float = 1e-3) -> CheckResult:
     """Logits of every prompt (token ids) at every position, from one pass without a cache and
     from a prefill of the first half followed by one-token steps with the cache, against the
@@ -258,7 +258,7 @@ def broken_tokenizer(tokenizer: TokenizerLike, token_id: int) -> TokenizerLike:
 
 
 class _Perturbed:
-    def __init__(self, backend: Backend, scale: float, seed: int):
+    def __init__(self, backend: LogitsModel, scale: float, seed: int):
         self._backend, self._scale, self._seed = backend, scale, seed
         self.tokenizer = getattr(backend, "tokenizer", None)
 
@@ -271,7 +271,7 @@ class _Perturbed:
         return logits + self._scale * torch.randn(logits.shape, generator=gen).to(logits)
 
 
-def broken_backend(backend: Backend, scale: float = 1e-2, seed: int = 0) -> Backend:
+def broken_backend(backend: LogitsModel, scale: float = 1e-2, seed: int = 0) -> LogitsModel:
     """A backend whose logits carry Gaussian noise of standard deviation ``scale``."""
     return _Perturbed(backend, scale, seed)
 
