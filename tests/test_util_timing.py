@@ -81,3 +81,19 @@ def test_interleaved_timing_takes_turns():
 def test_the_environment_record_carries_the_load():
     load = capture()["cpu"]["load_average"]
     assert len(load) == 3 and all(x >= 0 for x in load)
+
+
+def test_the_quantile_function_is_numpys_default_rule():
+    import math
+    import random
+
+    import numpy as np
+
+    from labkit.util.timing import quantile
+
+    rng = random.Random(0)
+    for size in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(size)]
+        for q in (0.0, 0.1, 0.5, 0.9, 0.99, 1.0):
+            assert quantile(values, q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12)
+    assert math.isnan(quantile([], 0.5))

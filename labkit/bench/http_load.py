@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from labkit.util.timing import quantile
+
 
 @dataclass
 class HttpRecord:
@@ -178,15 +180,7 @@ def run_open_loop(base_url: str, model: str, prompts: list[list[int]], max_token
 def percentiles(values: list[float], qs=(0.5, 0.9, 0.99)) -> dict:
     if not values:
         return {f"p{round(q * 100)}": None for q in qs} | {"mean": None}
-    ordered = sorted(values)
-
-    def at(q):
-        x = q * (len(ordered) - 1)
-        low = int(x)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (x - low)
-
-    return {f"p{round(q * 100)}": at(q) for q in qs} | {"mean": statistics.fmean(ordered)}
+    return {f"p{round(q * 100)}": quantile(values, q) for q in qs} | {"mean": statistics.fmean(values)}
 
 
 def summarize(records: list[HttpRecord], wall_s: float) -> dict:

@@ -16,6 +16,7 @@ import torch
 from labkit.bench.workloads import Workload
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
+from labkit.util.timing import quantile
 
 
 @dataclass
@@ -54,13 +55,10 @@ class RunResult:
 
     def ttft_quantile(self, q: float) -> float:
         """Quantile q of the time to first token (linear interpolation between records)."""
-        values = sorted(r.ttft_s for r in self.records if r.ttft_s is not None)
+        values = [r.ttft_s for r in self.records if r.ttft_s is not None]
         if not values:
             raise ValueError(f"{self.system} recorded no first-token times")
-        x = q * (len(values) - 1)
-        low = int(x)
-        high = min(low + 1, len(values) - 1)
-        return values[low] + (values[high] - values[low]) * (x - low)
+        return quantile(values, q)
 
     def to_dict(self) -> dict:
         return {"system": self.system, "wall_s": self.wall_s, "output_tokens": self.output_tokens,

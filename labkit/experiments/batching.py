@@ -22,26 +22,15 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from labkit.bench.serving import RequestRecord, RunResult, run_engine
 from labkit.bench.workloads import Workload, poisson_arrivals
 from labkit.util.compare import MIN_SAMPLES, Comparison, compare
+from labkit.util.timing import quantile
 
 
 # -- per-request latencies ----------------------------------------------------------------------
-def quantile(values: Iterable[float], q: float) -> float:
-    """Quantile q of `values` with linear interpolation between order statistics (the rule
-    `RunResult.ttft_quantile` and numpy's default use); NaN for no values."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    x = q * (len(xs) - 1)
-    low = int(x)
-    high = min(low + 1, len(xs) - 1)
-    return xs[low] + (xs[high] - xs[low]) * (x - low)
-
-
 def ttft_s(record: RequestRecord) -> float:
     """Time to first token: first token minus arrival (inf if no token came)."""
     return math.inf if record.first_token_s is None else record.first_token_s - record.arrival_s

@@ -38,6 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from labkit.util.timing import quantile
+
 FIRST_TOKEN = ("prefill", "after_transfer")
 
 
@@ -413,27 +415,17 @@ class SLO:
         return f"TTFT <= {self.ttft_s:g} s and every gap between tokens <= {1e3 * self.itl_s:g} ms"
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    x = q * (len(xs) - 1)
-    low = int(x)
-    high = min(low + 1, len(xs) - 1)
-    return xs[low] + (xs[high] - xs[low]) * (x - low)
-
-
 def summarize(result: SimResult, slo: SLO, rate: float, **extra) -> dict:
     """One row: latency quantiles, the share that met `slo`, and goodput = rate x that share."""
     traces = result.traces
     met = sum(slo.met(t) for t in traces)
     gaps = [g for t in traces for g in t.itls_s]
     return {**extra, "system": result.system, "rate_rps": rate, "requests": len(traces),
-            "ttft_p50_s": _quantile([t.ttft_s for t in traces], 0.5),
-            "ttft_p99_s": _quantile([t.ttft_s for t in traces], 0.99),
-            "itl_p50_s": _quantile(gaps, 0.5), "itl_p99_s": _quantile(gaps, 0.99),
-            "max_itl_p50_s": _quantile([t.max_itl_s for t in traces], 0.5),
-            "transfer_p50_s": _quantile([t.transfer_s for t in traces], 0.5),
+            "ttft_p50_s": quantile([t.ttft_s for t in traces], 0.5),
+            "ttft_p99_s": quantile([t.ttft_s for t in traces], 0.99),
+            "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99),
+            "max_itl_p50_s": quantile([t.max_itl_s for t in traces], 0.5),
+            "transfer_p50_s": quantile([t.transfer_s for t in traces], 0.5),
             "slo_met": met, "attainment": met / len(traces), "goodput_rps": rate * met / len(traces)}
 
 

@@ -8,14 +8,26 @@ sample; the median is the headline and the spread travels with it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """Quantile q in [0, 1] of `values`, interpolating linearly between order statistics
+    (numpy's default rule); NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = q * (len(ordered) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass
@@ -42,10 +54,7 @@ class Timing:
 
     def quantile(self, q: float) -> float:
         """Linear-interpolated quantile of the samples, q in [0, 1]."""
-        ordered = sorted(self.samples)
-        pos = q * (len(ordered) - 1)
-        lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+        return quantile(self.samples, q)
 
     @property
     def spread(self) -> float:
