@@ -250,6 +250,11 @@ class Outcome:
     sent_at: float | None = None    # perf_counter
     ended_at: float | None = None   # perf_counter
 
+    def mark_ended(self) -> None:
+        """The client's view of the end: now, and the seconds since it sent."""
+        self.ended_at = time.perf_counter()
+        self.seconds = self.ended_at - self.sent_at
+
     @property
     def matches(self) -> bool | None:
         return None if self.expected is None else self.text == self.expected
@@ -315,8 +320,7 @@ async def stream(client: httpx.AsyncClient, url: str, request: dict, out: Outcom
     except httpx.HTTPError as error:
         out.code, out.ended = type(error).__name__, "lost"
     finally:
-        out.ended_at = time.perf_counter()
-        out.seconds = out.ended_at - out.sent_at
+        out.mark_ended()
         out.parts.append(out.text)
     return out
 
@@ -336,8 +340,7 @@ async def whole(client: httpx.AsyncClient, url: str, request: dict, out: Outcome
     except httpx.HTTPError as error:
         out.code, out.ended = type(error).__name__, "lost"
     finally:
-        out.ended_at = time.perf_counter()
-        out.seconds = out.ended_at - out.sent_at
+        out.mark_ended()
         out.parts.append(out.text)
     return out
 
@@ -354,8 +357,7 @@ async def raw(client: httpx.AsyncClient, url: str, path: str, content: bytes, he
     except ValueError:
         out.code, out.shape_ok = None, False
     out.ended = "error" if answer.status_code >= 400 else "answer"
-    out.ended_at = time.perf_counter()
-    out.seconds = out.ended_at - out.sent_at
+    out.mark_ended()
     return out
 
 

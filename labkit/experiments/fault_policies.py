@@ -136,8 +136,7 @@ async def _retrying_stream(client, url, request: dict, policy: str, out: Outcome
             break
         await asyncio.sleep(backoff_s(out.attempts))
         out.attempts += 1
-    out.ended_at = time.perf_counter()
-    out.seconds = out.ended_at - out.sent_at
+    out.mark_ended()
 
 
 async def _retrying_whole(client, url, request: dict, out: Outcome, max_attempts: int) -> None:
@@ -154,8 +153,7 @@ async def _retrying_whole(client, url, request: dict, out: Outcome, max_attempts
             break
         await asyncio.sleep(backoff_s(out.attempts))
         out.attempts += 1
-    out.ended_at = time.perf_counter()
-    out.seconds = out.ended_at - out.sent_at
+    out.mark_ended()
 
 
 def retries(url: str, prompt, sampled_prompt, max_tokens: int, *, kill_after: int = 4,
