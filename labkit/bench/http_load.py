@@ -143,7 +143,8 @@ async def _closed(url, model, prompts, max_tokens, concurrency, extra, headers,
         return records, time.perf_counter() - start
 
 
-async def _open(url, model, prompts, max_tokens, arrivals, extra, headers) -> tuple[list[HttpRecord], float]:
+async def _open(url, model, prompts, max_tokens, arrivals, extra, headers,
+                give_up_s: float | None) -> tuple[list[HttpRecord], float]:
     records = [HttpRecord(i, len(p), 0.0) for i, p in enumerate(prompts)]
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -153,7 +154,10 @@ async def _open(url, model, prompts, max_tokens, arrivals, extra, headers) -> tu
             await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
             await _one(client, url, _body(model, prompts[i], max_tokens[i], extra), records[i], start, headers)
 
-        await asyncio.gather(*(at(i) for i in range(len(prompts))))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(at(i) for i in range(len(prompts)))), give_up_s)
+        except asyncio.TimeoutError:
+            pass  # the open requests were cancelled: their connections closed, status None
         return records, time.perf_counter() - start
 
 
@@ -171,10 +175,14 @@ def run_closed_loop(base_url: str, model: str, prompts: list[list[int]], max_tok
 
 def run_open_loop(base_url: str, model: str, prompts: list[list[int]], max_tokens: list[int],
                   arrivals: list[float], *, extra: dict | None = None,
-                  api_key: str | None = None) -> tuple[list[HttpRecord], float]:
+                  api_key: str | None = None,
+                  give_up_s: float | None = None) -> tuple[list[HttpRecord], float]:
+    """Records and wall seconds of an open-loop run. With `give_up_s`, the client stops
+    waiting that many seconds after the start and closes every open connection (the server
+    sees disconnects); a request still open then keeps `status` None."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return asyncio.run(_open(base_url + "/v1/completions", model, prompts, max_tokens, arrivals,
-                             extra or {}, headers))
+                             extra or {}, headers, give_up_s))
 
 
 def percentiles(values: list[float], qs=(0.5, 0.9, 0.99)) -> dict:

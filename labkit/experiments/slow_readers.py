@@ -1,0 +1,313 @@
+"""One slow reader among normal streams: the service's three policies and a blocking foil.
+
+Chapter 27 makes a reader slow over a real socket (`labkit.experiments.streaming.SocketStream`:
+a small receive buffer and segment size, a few bytes read every so often) and watches where
+the stream's bytes wait:
+
+    engine --events--> front end's per-stream buffer --SSE chunks--> uvicorn's transport
+           --> kernel: the server's send queue --> the client's receive queue --> the reader
+
+* :class:`RecordingClient` wraps the service's `EngineClient` and keeps every stream it
+  opens, so a sampler can read a stream's buffer (`ResultStream.buffered`) while it runs;
+  :func:`policy_run` runs one slow reader beside normal streams under `--slow-reader abort`,
+  `coalesce` or `unbounded` (or a fast reader: the control) and :meth:`PolicyRun.onset`
+  says how many bytes each layer held when the per-stream buffer began to fill.
+* :func:`stream_length_for` and :func:`framed_chunk_bytes` size a stream long enough for
+  the policy to act.
+* :func:`blocking_foil` is what the service avoids: an `EngineCore` whose slow request's sink
+  blocks (:class:`BlockingSink`), so the core's one step loop waits for the slow reader and
+  every other request waits with it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from labkit.bench.http_load import HttpRecord, percentiles, run_closed_loop
+from labkit.engine.core import AddRequest, EngineCore, StreamEnd
+from labkit.engine.llm_engine import TokenEvent
+from labkit.experiments.streaming import (MODEL, SocketOptions, SocketStream, StreamOutcome, completion_body,
+                                          dechunk, read_slowly, run_in_thread, sse_outcome, tcp_queues)
+from labkit.sampling import SamplingParams
+
+
+# -- one slow reader, the service's policies ----------------------------------------------------
+
+class RecordingClient:
+    """An `EngineClient` that hands everything to `inner` and keeps every stream it opened,
+    so an experiment can watch a stream's buffer (`ResultStream.buffered`) as it is read."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.streams: list = []
+
+    @property
+    def limits(self):
+        return self.inner.limits
+
+    @property
+    def restarts(self) -> int:
+        return self.inner.restarts
+
+    @property
+    def ready(self) -> bool:
+        return self.inner.ready
+
+    def stats(self):
+        return self.inner.stats()
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    def submit(self, request, *, max_buffered: int, policy: str):
+        stream = self.inner.submit(request, max_buffered=max_buffered, policy=policy)
+        self.streams.append(stream)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.inner.abort(request_id)
+
+    def health(self) -> dict:
+        return self.inner.health()
+
+    def stream_of(self, prompt: list[int]):
+        return next((s for s in self.streams if s.request.prompt_token_ids == list(prompt)), None)
+
+
+@dataclass(frozen=True)
+class BufferSample:
+    t_s: float                      # from the start of the run
+    buffered: int                   # events waiting in the front end's buffer for the stream
+    reached_front_end: int          # token events the engine has handed to the stream
+    coalesced: int                  # events folded into a buffered one
+    client_bytes: int               # bytes the slow client has read
+    server_send_queue: int | None   # kernel: the server socket's unacknowledged bytes
+    client_receive_queue: int | None  # kernel: bytes the client's socket holds unread
+
+
+@dataclass
+class PolicyRun:
+    policy: str                     # abort / coalesce / unbounded, or "none": a fast reader
+    slow: StreamOutcome
+    others: list[HttpRecord] = field(repr=False)
+    samples: list[BufferSample] = field(repr=False)
+    chunk_ends: list[int] = field(repr=False)   # byte offset after each chunk of the slow stream
+    header_bytes: int
+    max_tokens: int
+    max_buffered: int
+    wall_s: float
+    blocks_left: int                # KV blocks in use once the run is over (0: none leaked)
+
+    @property
+    def gaps_s(self) -> list[float]:
+        return [b - a for r in self.others if r.ok for a, b in zip(r.token_s, r.token_s[1:])]
+
+    @property
+    def peak_buffered(self) -> int:
+        return max((s.buffered for s in self.samples), default=0)
+
+    def onset(self, threshold: int = 4) -> dict | None:
+        """Where the bytes were when the per-stream buffer first held `threshold` events:
+        events past the buffer (handed to uvicorn), the bytes those make, what the client had
+        read, what the kernel held (server send queue + client receive queue) and, the rest,
+        what uvicorn's transport held."""
+        sample = next((s for s in self.samples if s.buffered >= threshold), None)
+        if sample is None or sample.server_send_queue is None:
+            return None
+        handed = sample.reached_front_end - sample.buffered
+        if not 0 < handed <= len(self.chunk_ends):
+            return None
+        sent = self.chunk_ends[handed - 1]
+        kernel = sample.server_send_queue + (sample.client_receive_queue or 0)
+        return {"t_s": sample.t_s, "events_handed_on": handed, "bytes_handed_on": sent,
+                "client_read_bytes": sample.client_bytes, "server_send_queue_bytes": sample.server_send_queue,
+                "client_receive_queue_bytes": sample.client_receive_queue or 0, "kernel_bytes": kernel,
+                "transport_bytes": sent - sample.client_bytes - kernel,
+                "events_past_client": handed - sum(e <= sample.client_bytes for e in self.chunk_ends)}
+
+    def row(self) -> dict:
+        gaps = percentiles(self.gaps_s, (0.5, 0.99))
+        return {"policy": self.policy, "slow_stream": self.slow.kind, "slow_chunks": self.slow.chunks,
+                "slow_text_chars": len(self.slow.text), "peak_buffered_events": self.peak_buffered,
+                "others_itl_p50_ms": 1e3 * gaps["p50"], "others_itl_p99_ms": 1e3 * gaps["p99"],
+                "blocks_left": self.blocks_left, "wall_s": self.wall_s}
+
+
+def _sample_buffers(client: RecordingClient, prompt, stream: SocketStream, start: float, stop: threading.Event,
+                    out: list, interval: float) -> None:
+    while not stop.is_set():
+        target = client.stream_of(prompt)
+        port = getattr(stream, "local_port", None)
+        if target is not None and port is not None:
+            server = tcp_queues(stream.port, port)
+            mine = tcp_queues(port, stream.port)
+            out.append(BufferSample(time.perf_counter() - start, target.buffered, target.tokens_received,
+                                    target.coalesced, len(stream.raw), server and server[0], mine and mine[1]))
+        stop.wait(interval)
+
+
+def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_prompts: list[list[int]],
+               max_tokens: int, *, max_buffered: int = 16, read_bytes: int = 32, every_s: float = 1.0,
+               options: SocketOptions = SocketOptions(), interval: float = 0.005, model: str = MODEL,
+               timeout_s: float = 900.0) -> PolicyRun:
+    """One run of the service (engine in this process, `BackgroundServer`) with `--slow-reader
+    policy` and `--max-buffered-events max_buffered`: a raw-socket client asks for
+    `max_tokens` tokens and reads `read_bytes` every `every_s` seconds, while one normal
+    streaming client per prompt in `other_prompts` asks for as many. Once the others are done
+    and the engine has finished with (or cut off) the slow request, the slow client reads the
+    rest at once, so its whole outcome is known. Policy "none" is the control: the same
+    requests, the slow client reading at full speed."""
+    from labkit.serve.app import ServeSettings, build_app
+    from labkit.serve.engine_client import InProcessEngine
+    from labkit.serve.server import BackgroundServer
+
+    client = RecordingClient(InProcessEngine(engine))
+    settings = ServeSettings(model, slow_reader="abort" if policy == "none" else policy,
+                             max_buffered_events=max_buffered)
+    samples: list[BufferSample] = []
+    with BackgroundServer(build_app(client, tokenizer, settings)) as server:
+        stream = SocketStream(server.url, completion_body(slow_prompt, max_tokens, model), options)
+        drain, stop = threading.Event(), threading.Event()
+        if policy == "none":
+            drain.set()
+        start = time.perf_counter()
+        sampler = threading.Thread(target=_sample_buffers, daemon=True,
+                                   args=(client, slow_prompt, stream, start, stop, samples, interval))
+        reader = threading.Thread(target=read_slowly, args=(stream, read_bytes, every_s, drain, timeout_s))
+        stream.open()
+        sampler.start()
+        reader.start()
+        while client.stream_of(slow_prompt) is None and time.perf_counter() - start < 60:
+            time.sleep(0.005)
+        records, _ = run_in_thread(run_closed_loop, server.url, model, other_prompts,
+                                [max_tokens] * len(other_prompts), len(other_prompts),
+                                extra={"ignore_eos": True})
+        target = client.stream_of(slow_prompt)
+        while not target.finished and time.perf_counter() - start < timeout_s:
+            time.sleep(0.01)
+        drain.set()
+        reader.join(timeout_s)
+        wall = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        while engine.has_unfinished() and time.perf_counter() - start < timeout_s:
+            time.sleep(0.01)
+    status, header, body, ends = dechunk(bytes(stream.raw))
+    return PolicyRun(policy, sse_outcome(status, body), records, samples, ends, header, max_tokens, max_buffered,
+                     wall, engine.stats().blocks_used)
+
+
+def stream_length_for(absorbed_bytes: int, chunk_bytes: int, max_buffered: int, margin: int) -> int:
+    """Tokens a slow stream needs before its per-stream buffer overflows: the chunks the
+    buffers below the front end absorb, the per-stream buffer, and a margin (for what the
+    slow reader reads meanwhile), rounded up to a multiple of 16."""
+    tokens = -(-absorbed_bytes // chunk_bytes) + max_buffered + margin
+    return -(-tokens // 16) * 16
+
+
+def framed_chunk_bytes(text: str = " the", model: str = MODEL) -> int:
+    """Bytes on the wire of one streamed completions chunk carrying `text`: the SSE event
+    as the service writes it, in HTTP/1.1 chunked framing."""
+    from labkit.serve.responses import completion_chunk
+
+    rid = "cmpl-" + "0" * 32 + "-0"
+    event = f"data: {json.dumps(completion_chunk(rid, int(time.time()), model, 0, text, None))}\n\n"
+    size = len(event.encode())
+    return len(f"{size:x}\r\n") + size + 2
+
+
+# -- the foil: a sink that blocks -----------------------------------------------------------------
+
+class BlockingSink:
+    """A sink whose `put` waits for room in a bounded queue (`size` 0: unbounded, never
+    waits). `EngineCore` calls `put` on its one step loop, so while a slow reader leaves
+    the queue full, no request in the engine advances."""
+
+    def __init__(self, size: int):
+        self.items: queue.Queue = queue.Queue(maxsize=size)
+        self.waited_s = 0.0
+        self.peak = 0
+
+    def put(self, item) -> None:
+        began = time.perf_counter()
+        self.items.put(item)
+        self.waited_s += time.perf_counter() - began
+        self.peak = max(self.peak, self.items.qsize())
+
+
+@dataclass
+class FoilRun:
+    queue_size: int                 # 0: the sink never blocks (what the service does)
+    gaps_s: list[float] = field(repr=False)  # every gap between the other streams' tokens
+    slow_tokens: int
+    waited_s: float                 # time the core's loop spent inside the slow sink's put
+    peak_queued: int                # most events waiting for the slow reader
+    wall_s: float
+
+    def row(self) -> dict:
+        gaps = percentiles(self.gaps_s, (0.5, 0.99))
+        return {"sink": f"blocks at {self.queue_size} events" if self.queue_size else "never blocks",
+                "peak_queued_events": self.peak_queued, "loop_blocked_s": self.waited_s,
+                "others_itl_p50_ms": 1e3 * gaps["p50"], "others_itl_p99_ms": 1e3 * gaps["p99"],
+                "slow_tokens": self.slow_tokens, "wall_s": self.wall_s}
+
+
+def blocking_foil(engine, slow_prompt: list[int], other_prompts: list[list[int]], max_tokens: int, *,
+                  queue_size: int = 16, every_s: float = 0.2) -> FoilRun:
+    """The engine waits for the client: an `EngineCore` (its loop on a thread) whose slow
+    request's sink is a :class:`BlockingSink` of `queue_size` events, taken one every
+    `every_s` seconds while the other requests (normal streams, read at once) run; then
+    the rest is taken at once. Returns the others' token gaps and the time the loop spent
+    blocked."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    core = EngineCore(engine)
+    sink = BlockingSink(queue_size)
+    arrivals: list[list[float]] = [[] for _ in other_prompts]
+    core.start()
+    start = time.perf_counter()
+    try:
+        core.submit(AddRequest("foil-slow", list(slow_prompt), params), sink)
+        streams = [core.add(list(p), params) for p in other_prompts]
+
+        def read(i: int) -> None:
+            for event in streams[i]:
+                if event.token_id is not None:
+                    arrivals[i].append(time.perf_counter())
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+        for r in readers:
+            r.start()
+        slow_tokens, ended = 0, False
+        while not ended:
+            item = sink.items.get(timeout=600)
+            ended = isinstance(item, StreamEnd)
+            slow_tokens += isinstance(item, TokenEvent) and item.token_id is not None
+            if any(r.is_alive() for r in readers):
+                time.sleep(every_s)
+        for r in readers:
+            r.join()
+        wall = time.perf_counter() - start
+    finally:
+        core.shutdown()
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:])]
+    return FoilRun(queue_size, gaps, slow_tokens, sink.waited_s, sink.peak, wall)
+
+
+def against(base: list[float], values: list[float], base_name: str = "the control's") -> str:
+    """Timings `values` against `base` (token gaps against the control's, latencies against
+    an idle server's), in words that claim no more than a bootstrap interval of the ratio of
+    their medians (`labkit.util.compare`)."""
+    from labkit.util.compare import compare
+
+    c = compare(base, values, name_a="base", name_b="values")
+    interval = f"95% interval {c.low:.2f}-{c.high:.2f}"
+    if not c.separated:
+        return f"within the noise of {base_name} (median ratio {c.ratio:.2f}, {interval})"
+    word = "longer" if c.verdict == "faster" else "shorter"
+    return f"{c.ratio:.2f} times {base_name}, {word} beyond the noise ({interval})"

@@ -1,0 +1,257 @@
+"""Chapter 25's contract experiments: the catalogue's rules, the classifier, the Server-Timing
+reader, the foil's switch, and (slow) the whole catalogue against our service and the foil."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from labkit.experiments import api_contract as ac
+
+MODEL = "smollm2-135m"
+
+
+def reply(status, body, headers=None) -> ac.Reply:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return ac.Reply(status, headers or {"content-type": "application/json"}, raw)
+
+
+def openai_error(code, status=400):
+    return reply(status, {"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": code}})
+
+
+def completion(texts, tokens, prompt_tokens=1, **choice):
+    return reply(200, {"object": "text_completion",
+                       "choices": [{"index": i, "text": t, "finish_reason": "length", **choice}
+                                   for i, t in enumerate(texts)],
+                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}})
+
+
+def answer(status, correct, shape=False) -> ac.Answer:
+    return ac.Answer("r", "g", status, None, "", shape, correct, "", 0.0)
+
+
+# -- the classifier -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status, correct, shape, category", [
+    (200, True, False, "200, correct"),
+    (400, True, True, "error, as documented"),
+    (200, False, False, "200, wrong"),              # e.g. "5" silently read as 5
+    (422, False, False, "4xx, another shape"),      # a framework's detail list
+    (404, False, False, "4xx, another shape"),
+    (400, False, True, "4xx, other status or code"),
+    (500, False, False, "500"),
+    (503, False, True, "500"),
+    (None, False, False, "no answer in time"),
+])
+def test_classify_names_each_kind_of_answer(status, correct, shape, category):
+    assert ac.classify(answer(status, correct, shape)) == category
+
+
+def test_category_counts_cover_every_answer_once():
+    rows = [answer(200, True), answer(200, False), answer(500, False), answer(422, False), answer(None, False)]
+    counts = ac.category_counts(rows)
+    assert sum(counts.values()) == len(rows) and list(counts) == list(ac.CATEGORIES)
+    assert counts["200, wrong"] == counts["500"] == counts["no answer in time"] == 1
+
+
+# -- the rules ----------------------------------------------------------------------------------
+
+def test_error_shape_is_openais_and_nothing_else():
+    assert ac.error_shape(openai_error("invalid_json"))["code"] == "invalid_json"
+    assert ac.error_shape(reply(422, {"detail": [{"type": "json_invalid"}]})) is None   # FastAPI's
+    assert ac.error_shape(reply(404, {"detail": "Not Found"})) is None
+    assert ac.error_shape(reply(500, b"Internal Server Error")) is None
+    assert ac.error_shape(reply(400, {"error": "a string"})) is None
+    assert ac.error_shape(reply(400, {"error": {"message": "", "type": "x", "param": None, "code": "c"}})) is None
+    assert ac.error_shape(reply(400, {"error": {"message": "m", "type": "x", "code": "c"}})) is None  # no param
+    extra = {"error": {"message": "m", "type": "x", "param": None, "code": "c"}, "detail": 1}
+    assert ac.error_shape(reply(400, extra)) is None
+
+
+@pytest.fixture(scope="module")
+def catalogue(model):
+    return {r.name: r for r in ac.build_catalogue(MODEL, model.tokenizer, context_tokens=model.max_positions,
+                                                  vocab_size=model.config.vocab_size,
+                                                  greedy_text=lambda prompt, n: " 9, 10")}
+
+
+def test_the_catalogue_has_the_sources_requests_and_more(catalogue):
+    assert len(catalogue) >= 29
+    for name in ("not JSON", "empty prompt", "misspelt option (max_tokns)", "NaN temperature", "4,000 emoji",
+                 '"5" as max_tokens', "5.0 as max_tokens", "true as max_tokens", "temperature 0"):
+        assert name in catalogue
+    assert all(r.expect and r.rule for r in catalogue.values())
+    assert b"NaN" in catalogue["NaN temperature"].body
+    assert len(json.loads(catalogue["prompt over the context"].body)["prompt"]) == 8193
+
+
+def test_a_lax_200_is_wrong_and_the_documented_error_is_right(catalogue):
+    five = catalogue['"5" as max_tokens']
+    assert five.judge(completion(["abc"], 5)) == (False, "status 200, expected 400")
+    assert five.judge(openai_error("invalid_type")) == (True, "")
+    assert not five.judge(openai_error("invalid_value"))[0]                        # right status, wrong code
+    assert not five.judge(reply(400, {"detail": "bad"}))[0]                        # right status, wrong shape
+    assert not catalogue["temperature 0"].judge(reply(500, b"Internal Server Error"))[0]
+
+
+def test_a_200_must_have_its_property(catalogue, model):
+    hello = len(model.tokenizer.encode("Hello"))
+    good = catalogue["a correct request"]
+    assert good.judge(completion(["x"], 4, hello))[0]
+    assert not good.judge(completion(["x"], 5, hello))[0]                         # more than max_tokens
+    assert not good.judge(completion(["x"], 4, 4000))[0]                          # prompt miscounted
+    n2 = catalogue["n = 2"]
+    assert n2.judge(completion(["a", "b"], 8))[0] and not n2.judge(completion(["a"], 4))[0]   # n ignored
+    greedy = catalogue["temperature 0"]
+    assert greedy.judge(completion([" 9, 10"], 4))[0] and not greedy.judge(completion([" 9, 11"], 4))[0]
+    stop = catalogue['stop as a bare string ","']
+    assert stop.judge(completion([" 9"], 2, finish_reason="stop"))[0]
+    assert not stop.judge(completion([" 9, 10, 11"], 16))[0]                        # stop ignored
+    logprobs = catalogue["logprobs 2"]
+    assert not logprobs.judge(completion(["x"], 1, hello))[0]                       # logprobs ignored
+
+
+def test_the_emoji_request_takes_a_token_count_or_a_refusal(catalogue, model):
+    emoji = catalogue["4,000 emoji"]
+    tokens = len(model.tokenizer.encode("\U0001F642" * 4000))
+    assert tokens == 8000  # two byte-level tokens per emoji: 4,000 characters, 8,000 tokens
+    assert emoji.judge(openai_error("context_length_exceeded"))[0]
+    assert emoji.judge(completion(["x"], 4, tokens))[0]
+    assert not emoji.judge(completion(["x"], 4, 4000))[0]                           # counted in characters
+
+
+def test_a_stream_needs_chunks_and_done():
+    events = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
+    assert ac.stream_check(reply(200, events, {"content-type": "text/event-stream"})) is None
+    assert ac.stream_check(reply(200, events[:-15], {"content-type": "text/event-stream"})) is not None
+    assert ac.stream_check(reply(200, events, {"content-type": "application/json"})) is not None
+
+
+def test_side_by_side_needs_the_same_requests():
+    a, b = answer(200, True), answer(500, False)
+    row, = ac.side_by_side([b], [a])
+    assert row["foil: verdict"] == "500" and row["ours: verdict"] == "200, correct"
+    with pytest.raises(ValueError):
+        ac.side_by_side([b], [ac.Answer("other", "g", 200, None, "", False, True, "", 0.0)])
+
+
+# -- timings and texts ---------------------------------------------------------------------------
+
+def test_parse_server_timing_keeps_order_and_values():
+    header = "read;dur=0.120, parse;dur=1.5, prefill;desc=\"x\";dur=30.000"
+    assert ac.parse_server_timing(header) == {"read": 0.12, "parse": 1.5, "prefill": 30.0}
+    assert list(ac.parse_server_timing(header)) == ["read", "parse", "prefill"]
+    with pytest.raises(ValueError):
+        ac.parse_server_timing("read;desc=x")
+
+
+def test_detokenize_timing_feeds_every_token(model):
+    ids = model.tokenizer.encode("Les modèles prédisent 東京 🙂 the next word.")
+    timing = ac.detokenize_timing(model.tokenizer, ids, repeats=3, warmup=0)
+    assert len(timing.samples) == 3 and timing.meta["tokens"] == len(ids) and timing.median > 0
+
+
+def test_texts_have_the_asked_number_of_characters(model):
+    assert len(ac.cjk_text(4000)) == len(ac.emoji_text(4000)) == 4000
+    assert all("\u3000" <= c <= "\u9fff" or c in "，。：、" or "\uff00" <= c <= "\uffef" for c in ac.cjk_text(500))
+    assert ac.ascii_text("abc ", 10) == "abc abc ab"
+    with pytest.raises(ValueError):
+        ac.ascii_text("naïve", 3)
+
+
+# -- the foil's switch ---------------------------------------------------------------------------
+
+def tiny_transformers_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=100_000)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_stop_ends_a_runaway_generate_and_rearms():
+    import torch
+
+    model = ac.StoppableReference(tiny_transformers_llama())
+    outcome = {}
+
+    def run():
+        try:
+            model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=10**9, do_sample=True, eos_token_id=None,
+                           pad_token_id=0)
+            outcome["ended"] = "finished"
+        except ac.Unplugged:
+            outcome["ended"] = "stopped"
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.5)
+    assert worker.is_alive()                          # 10^9 tokens: it would not end by itself
+    assert model.stop(wait_s=30)
+    worker.join(5)
+    assert outcome == {"ended": "stopped"} and model.stops == 1
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape[1] <= 6                          # re-armed: the next generate runs normally
+    model.close()
+
+
+# -- the whole catalogue, over real sockets (slow) -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_catalogue(model):
+    from labkit.engine.loop import generate
+    from labkit.sampling import SamplingParams
+
+    def greedy(prompt, n):
+        return generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=n)).text
+
+    return ac.build_catalogue(MODEL, model.tokenizer, context_tokens=model.max_positions,
+                              vocab_size=model.config.vocab_size, greedy_text=greedy)
+
+
+@pytest.mark.slow
+def test_our_service_answers_every_request_of_the_catalogue_correctly(model, full_catalogue):
+    from labkit.engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=4096, max_model_len=2048))
+    with ac.serving(engine, model.tokenizer, MODEL) as url:
+        rows = ac.send_catalogue(url, full_catalogue, timeout_s=300)
+    wrong = [(a.request, a.status, a.excerpt, a.fault) for a in rows if not a.correct]
+    assert wrong == []
+    assert all(a.openai_shape for a in rows if a.status != 200)
+    engine.check_invariants()
+    with ac.serving(engine, model.tokenizer, MODEL) as url:   # the engine can be served again
+        again = ac.send_catalogue(url, [r for r in full_catalogue if r.name == "a correct request"])
+    assert again[0].correct
+
+
+@pytest.mark.slow
+def test_the_foil_is_lax_and_crashes_where_the_chapter_says(model, reference, full_catalogue):
+    import torch
+
+    from labkit.serve.naive import build_naive_app
+    from labkit.serve.server import BackgroundServer
+
+    names = ['"5" as max_tokens', "misspelt option (max_tokns)", "temperature 0", "not JSON", "unknown route",
+             "a correct request", "prompt over the context"]
+    picked = [r for r in full_catalogue if r.name in names]
+    foil = ac.StoppableReference(reference)
+    torch.manual_seed(0)   # the foil samples from torch's global generator
+    try:
+        with BackgroundServer(build_naive_app(MODEL, foil, model.tokenizer)) as server, ac.quiet("uvicorn.error"):
+            rows = {a.request: a for a in ac.send_catalogue(server.url, picked, costly_timeout_s=2,
+                                                            on_timeout=lambda r: foil.stop())}
+    finally:
+        foil.close()
+    assert rows['"5" as max_tokens'].category == "200, wrong" and rows['"5" as max_tokens'].excerpt.endswith("5 tokens")
+    assert rows["misspelt option (max_tokns)"].excerpt.endswith("16 tokens")      # the default, not 2
+    assert rows["temperature 0"].category == "500"
+    assert rows["not JSON"].category == rows["unknown route"].category == "4xx, another shape"
+    assert rows["a correct request"].category == "200, correct"
+    assert rows["prompt over the context"].category == "no answer in time" and foil.stops == 1
