@@ -28,7 +28,6 @@ import json
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,6 +42,7 @@ from labkit.serve.admission import ServiceEstimator
 from labkit.serve.server import ServerProcess
 from labkit.sim import admission as sim
 from labkit.util.palette import OKABE_ITO
+from labkit.util.threads import run_in_thread
 
 MODEL = "smollm2-135m"
 # The source's workload and results (its chapter abstract).
@@ -281,9 +281,7 @@ class LiveService:
                        extra={"stream": False, "ignore_eos": True,
                               "deadline_ms": workload.deadline_s * 1e3},
                        give_up_s=give_up_s)
-        # a thread of its own: run_open_loop starts an event loop, and a notebook has one
-        with ThreadPoolExecutor(1) as pool:
-            records, wall = pool.submit(load).result()
+        records, wall = run_in_thread(load)  # run_open_loop starts an event loop; a notebook has one
         return LiveRun(self.policy, label or self.policy, workload, records, wall, give_up_s,
                        any(r.status is None for r in records))
 

@@ -20,13 +20,13 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from labkit.serve.server import ServerProcess
+from labkit.util.threads import run_in_thread
 
 MODEL = "smollm2-135m"
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -209,20 +209,7 @@ def kill_worker(url: str) -> tuple[int, float]:
 def run_async(make):
     """Run the coroutine `make()` to its end on a fresh event loop in its own thread, so it
     works where a loop already runs (a notebook's kernel) and where none does."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["value"] = asyncio.run(make())
-        except BaseException as error:  # re-raised in the caller's thread
-            result["error"] = error
-
-    thread = threading.Thread(target=target, name="labkit-faults")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    return run_in_thread(lambda: asyncio.run(make()))
 
 
 # -- one request, as its client saw it -------------------------------------------------------

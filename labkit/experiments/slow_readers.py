@@ -31,8 +31,9 @@ from labkit.bench.http_load import HttpRecord, percentiles, run_closed_loop
 from labkit.engine.core import AddRequest, EngineCore, StreamEnd
 from labkit.engine.llm_engine import TokenEvent
 from labkit.experiments.streaming import (MODEL, SocketOptions, SocketStream, StreamOutcome, completion_body,
-                                          dechunk, read_slowly, run_in_thread, sse_outcome, tcp_queues)
+                                          dechunk, read_slowly, sse_outcome, tcp_queues)
 from labkit.sampling import SamplingParams
+from labkit.util.threads import run_in_thread
 
 
 # -- one slow reader, the service's policies ----------------------------------------------------

@@ -31,6 +31,7 @@ import httpx
 from labkit.bench.http_load import HttpRecord, run_closed_loop, summarize
 from labkit.bench.workloads import text_prompts
 from labkit.sampling import SamplingParams
+from labkit.util.threads import run_in_thread
 
 MODEL = "smollm2-135m"
 
@@ -46,23 +47,6 @@ def stream_prompts(tokenizer, count: int, shortest: int = 16, longest: int = 48,
     from labkit.eval import eval_text
 
     return text_prompts(tokenizer.encode(eval_text()), count, shortest, longest, seed=seed)
-
-
-def run_in_thread(fn, *args, **kwargs):
-    """fn(*args) on a fresh thread: `asyncio.run` cannot start inside a notebook's loop."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = error
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 # -- one client at a time vs all at once --------------------------------------------------------
