@@ -21,54 +21,52 @@ void labkit_gemv(const float* W, const float* X, float* Y, long rows, long out, 
 
 /* ---- paged attention ----------------------------------------------------------------- */
 
-/* Vector types (a GCC and Clang extension): the compiler maps them onto whatever vector
-   registers the machine has. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int v16i __attribute__((vector_size(64)));
-typedef int v8i __attribute__((vector_size(32)));
-typedef int v4i __attribute__((vector_size(16)));
+/* Vector types (a GCC and Clang extension), as wide as the machine's registers: 16 lanes
+   with AVX-512, 8 with AVX2. A type wider than the registers is legal but slow: without
+   AVX-512 the compiler splits a 16-lane vector into halves and spills them to the stack,
+   which once made this kernel six times slower than memory on an AVX2 machine. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int vfi __attribute__((vector_size(4 * VL)));
 
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline v16 select16(v16i mask, v16 yes, v16 no) {
-  return (v16)((mask & (v16i)yes) | (~mask & (v16i)no));
-}
-static inline v8 select8(v8i mask, v8 yes, v8 no) { return (v8)((mask & (v8i)yes) | (~mask & (v8i)no)); }
-static inline v4 select4(v4i mask, v4 yes, v4 no) { return (v4)((mask & (v4i)yes) | (~mask & (v4i)no)); }
+static inline vf loadv(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf selectv(vfi mask, vf yes, vf no) { return (vf)((mask & (vfi)yes) | (~mask & (vfi)no)); }
 
-/* exp(x) for x <= 0 (softmax weights) on 16 lanes, to float precision (Cephes' expf
+/* exp(x) for x <= 0 (softmax weights) on every lane, to float precision (Cephes' expf
    polynomial): written out so the compiler vectorizes it, which it will not do for libm's. */
-static inline v16 exp16(v16 x) {
-  const v16 zero = {0};
-  x = select16(x < -87.0f, zero - 87.0f, x);
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+static inline vf expv(vf x) {
+  const vf zero = {0};
+  x = selectv(x < -87.0f, zero - 87.0f, x);
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
   x -= n * 0.693359375f;
   x -= n * -2.12194440e-4f;
-  const v16 z = x * x;
-  v16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
-            + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  const vf z = x * x;
+  vf y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
+           + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  return y * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+  return y * (vf)((__builtin_convertvector(n, vfi) + 127) << 23);
 }
 
 static inline float exp_nonpositive(float x) {  /* the same for one value */
-  const v16 lanes = {x};
-  return exp16(lanes)[0];
+  const vf lanes = {x};
+  return expv(lanes)[0];
 }
 
-/* The maximum (max = 1) or the sum (max = 0) of 16 lanes, folding halves in registers. */
-static inline float reduce16(v16 x, int max) {
-  v8 a, b;
-  __builtin_memcpy(&a, &x, 32), __builtin_memcpy(&b, (char*)&x + 32, 32);
-  a = max ? select8(a > b, a, b) : a + b;
-  v4 c, d;
-  __builtin_memcpy(&c, &a, 16), __builtin_memcpy(&d, (char*)&a + 16, 16);
-  c = max ? select4(c > d, c, d) : c + d;
-  const float x01 = max ? (c[0] > c[1] ? c[0] : c[1]) : c[0] + c[1];
-  const float x23 = max ? (c[2] > c[3] ? c[2] : c[3]) : c[2] + c[3];
-  return max ? (x01 > x23 ? x01 : x23) : x01 + x23;
+static inline float lane_max(vf x) {
+  float m = x[0];
+  for (int i = 1; i < VL; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+static inline float lane_sum(vf x) {
+  float t = 0.0f;
+  for (int i = 0; i < VL; i++) t += x[i];
+  return t;
 }
 
 /* The generic shape: one query's scores against a block, s[t] = q . k[:, t] (q pre-scaled). */
@@ -98,33 +96,50 @@ static void block_softmax(float* s, long visible, long bs, long dim, float* best
   for (long d = 0; d < dim; d++) acc[d] *= rescale;
 }
 
-/* The model's shape (block_size 16, head_dim 64): a block's key row (16 slots) is one
-   vector, a value row four. Queries go four at a time, so each key and value row is loaded
-   once per four queries and the partial sums stay in registers. */
+/* The model's shape (block_size 16, head_dim 64). */
+/* A block's key row (16 slots) is 16 / VL vectors, a value row 64 / VL. Queries go four at
+   a time, so each key and value vector is loaded once per four queries and the partial sums
+   stay in registers (4 queries x 2 vectors: 8 accumulators, 10 registers with the loads). */
 static void scores_16x64(const float* k, const float (*qs)[64], float (*s)[16], long first, long padded) {
   for (long qi = first; qi < padded; qi += 4) {
-    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-    for (long d = 0; d < 64; d++) {
-      const v16 kd = load16(k + d * 16);
-      s0 += qs[qi][d] * kd;
-      s1 += qs[qi + 1][d] * kd;
-      s2 += qs[qi + 2][d] * kd;
-      s3 += qs[qi + 3][d] * kd;
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    for (long d = 0; d < 64; d++) {  /* slots 0 .. VL-1 in a*, VL .. 15 in b* (AVX2 only) */
+      const vf ka = loadv(k + d * 16);
+      a0 += qs[qi][d] * ka, a1 += qs[qi + 1][d] * ka;
+      a2 += qs[qi + 2][d] * ka, a3 += qs[qi + 3][d] * ka;
+      if (VL < 16) {
+        const vf kb = loadv(k + d * 16 + VL);
+        b0 += qs[qi][d] * kb, b1 += qs[qi + 1][d] * kb;
+        b2 += qs[qi + 2][d] * kb, b3 += qs[qi + 3][d] * kb;
+      }
     }
-    store16(s[qi], s0), store16(s[qi + 1], s1), store16(s[qi + 2], s2), store16(s[qi + 3], s3);
+    storev(s[qi], a0), storev(s[qi + 1], a1), storev(s[qi + 2], a2), storev(s[qi + 3], a3);
+    if (VL < 16)
+      storev(s[qi] + VL, b0), storev(s[qi + 1] + VL, b1), storev(s[qi + 2] + VL, b2),
+      storev(s[qi + 3] + VL, b3);
   }
 }
 
 static inline void softmax_16(float* s, long visible, float* best, float* total, float* acc) {
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16i mask = lane < (int)visible;
-  const v16 zero = {0};
-  const v16 scores = select16(mask, load16(s), zero - INFINITY);
-  const float found = reduce16(scores, 1), top = found > *best ? found : *best;
-  const v16 p = select16(mask, exp16(scores - top), zero);
-  store16(s, p);
+  vfi lane;
+  for (int i = 0; i < VL; i++) lane[i] = i;
+  const vf zero = {0};
+  vf scores[16 / VL];
+  float found = -INFINITY;
+  for (int c = 0; c < 16 / VL; c++) {
+    scores[c] = selectv(lane + c * VL < (int)visible, loadv(s + c * VL), zero - INFINITY);
+    const float m = lane_max(scores[c]);
+    found = m > found ? m : found;
+  }
+  const float top = found > *best ? found : *best;
+  float sum = 0.0f;
+  for (int c = 0; c < 16 / VL; c++) {
+    const vf p = selectv(lane + c * VL < (int)visible, expv(scores[c] - top), zero);
+    storev(s + c * VL, p);
+    sum += lane_sum(p);
+  }
   const float rescale = *best == -INFINITY ? 0.0f : exp_nonpositive(*best - top);
-  *total = *total * rescale + reduce16(p, 0);
+  *total = *total * rescale + sum;
   *best = top;
   if (rescale != 1.0f)
     for (int d = 0; d < 64; d++) acc[d] *= rescale;
@@ -132,22 +147,22 @@ static inline void softmax_16(float* s, long visible, float* best, float* total,
 
 static void values_16x64(const float* v, const float (*s)[16], float (*acc)[64], long first, long padded) {
   for (long qi = first; qi < padded; qi += 4)
-    for (long h = 0; h < 64; h += 32) {  /* half a row at a time: 8 accumulators */
-      v16 a0 = load16(acc[qi] + h), b0 = load16(acc[qi] + h + 16);
-      v16 a1 = load16(acc[qi + 1] + h), b1 = load16(acc[qi + 1] + h + 16);
-      v16 a2 = load16(acc[qi + 2] + h), b2 = load16(acc[qi + 2] + h + 16);
-      v16 a3 = load16(acc[qi + 3] + h), b3 = load16(acc[qi + 3] + h + 16);
+    for (long h = 0; h < 64; h += 2 * VL) {  /* two vectors of a row at a time */
+      vf a0 = loadv(acc[qi] + h), b0 = loadv(acc[qi] + h + VL);
+      vf a1 = loadv(acc[qi + 1] + h), b1 = loadv(acc[qi + 1] + h + VL);
+      vf a2 = loadv(acc[qi + 2] + h), b2 = loadv(acc[qi + 2] + h + VL);
+      vf a3 = loadv(acc[qi + 3] + h), b3 = loadv(acc[qi + 3] + h + VL);
       for (long t = 0; t < 16; t++) {
-        const v16 va = load16(v + t * 64 + h), vb = load16(v + t * 64 + h + 16);
+        const vf va = loadv(v + t * 64 + h), vb = loadv(v + t * 64 + h + VL);
         a0 += s[qi][t] * va, b0 += s[qi][t] * vb;
         a1 += s[qi + 1][t] * va, b1 += s[qi + 1][t] * vb;
         a2 += s[qi + 2][t] * va, b2 += s[qi + 2][t] * vb;
         a3 += s[qi + 3][t] * va, b3 += s[qi + 3][t] * vb;
       }
-      store16(acc[qi] + h, a0), store16(acc[qi] + h + 16, b0);
-      store16(acc[qi + 1] + h, a1), store16(acc[qi + 1] + h + 16, b1);
-      store16(acc[qi + 2] + h, a2), store16(acc[qi + 2] + h + 16, b2);
-      store16(acc[qi + 3] + h, a3), store16(acc[qi + 3] + h + 16, b3);
+      storev(acc[qi] + h, a0), storev(acc[qi] + h + VL, b0);
+      storev(acc[qi + 1] + h, a1), storev(acc[qi + 1] + h + VL, b1);
+      storev(acc[qi + 2] + h, a2), storev(acc[qi + 2] + h + VL, b2);
+      storev(acc[qi + 3] + h, a3), storev(acc[qi + 3] + h + VL, b3);
     }
 }
 
