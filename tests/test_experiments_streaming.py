@@ -72,7 +72,18 @@ def test_text_chunks_counts_only_chunks_with_text():
 
 # -- the buffers below the front end -------------------------------------------------------------
 
-def test_tcp_queues_see_unread_bytes_in_the_receivers_queue():
+def proc_net_tcp_queues(local_port: int, remote_port: int) -> tuple[int, int] | None:
+    """The independent reference: (tx_queue, rx_queue) of a socket as /proc/net/tcp prints them."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if int(local.split(":")[1], 16) == local_port and int(remote.split(":")[1], 16) == remote_port:
+            tx, rx = fields[4].split(":")
+            return int(tx, 16), int(rx, 16)
+    return None
+
+
+def test_socket_queues_agree_with_proc_net_tcp_and_see_unread_bytes():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -82,12 +93,11 @@ def test_tcp_queues_see_unread_bytes_in_the_receivers_queue():
         peer.sendall(b"x" * 3000)
         time.sleep(0.1)
         port, peer_port = client.getsockname()[1], peer.getsockname()[1]
-        assert st.tcp_queues(port, peer_port)[1] == 3000       # unread by the client
-        assert st.tcp_queues(peer_port, port)[0] == 0          # acknowledged by it
+        assert st.socket_queues(client)[1] == 3000 == proc_net_tcp_queues(port, peer_port)[1]  # unread
+        assert st.socket_queues(peer)[0] == 0 == proc_net_tcp_queues(peer_port, port)[0]  # acknowledged
         client.recv(1000)
         time.sleep(0.05)
-        assert st.tcp_queues(port, peer_port)[1] == 2000
-        assert st.tcp_queues(peer_port, 1) is None
+        assert st.socket_queues(client.fileno())[1] == 2000 == proc_net_tcp_queues(port, peer_port)[1]
     finally:
         for s in (client, peer, server):
             s.close()
@@ -274,16 +284,22 @@ def test_abort_cuts_the_slow_stream_once_every_buffer_below_is_full(engine, mode
     prompts = st.stream_prompts(model.tokenizer, 2, 8, 24)
     low, high = st.transport_high_water()
     chunk = sr.framed_chunk_bytes()
-    tokens = sr.stream_length_for(st.kernel_absorption(piece=chunk).written + high, chunk, 4, 96)
-    run = sr.policy_run(engine, model.tokenizer, "abort", prompts[0], prompts[1:], tokens, max_buffered=4)
+    absorbed = st.kernel_absorption(piece=chunk).written + high
+    tokens = sr.stream_length_for(absorbed, chunk, 4, 96)
+    after = high // chunk  # the others start before the policy acts, with the kernel's share to go
+    run = sr.policy_run(engine, model.tokenizer, "abort", prompts[0], prompts[1:], tokens, max_buffered=4,
+                        others_after=after)
     assert run.slow.errors == ["slow_reader"] and run.slow.chunks < tokens
+    # the others waited until the slow stream had been handed `after` tokens
+    at_start = next(x for x in run.samples if x.t_s >= run.others_started_s)
+    assert at_start.reached_front_end >= after and run.others_after == after
     onset = run.onset(threshold=2)
     # paused, the transport holds between its marks (it resumes the writer below the low one)
     assert low - 4 * chunk <= onset["transport_bytes"] <= high + 4 * chunk
     assert onset["kernel_bytes"] > 20_000
     sizes = [b - a for a, b in zip(run.chunk_ends, run.chunk_ends[1:-2])]
     assert abs(statistics.median(sizes) - chunk) <= 4
-    assert all(r.ok and r.output_tokens == tokens for r in run.others)
+    assert all(r.ok and r.output_tokens == tokens - after for r in run.others)
     assert run.blocks_left == 0 and run.peak_buffered <= 5
 
 

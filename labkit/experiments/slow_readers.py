@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from labkit.bench.http_load import HttpRecord, percentiles, run_closed_loop
 from labkit.engine.core import AddRequest, EngineCore, StreamEnd
 from labkit.engine.llm_engine import TokenEvent
-from labkit.experiments.streaming import (MODEL, SocketOptions, SocketStream, StreamOutcome, completion_body,
-                                          dechunk, read_slowly, sse_outcome, tcp_queues)
+from labkit.experiments.streaming import (MODEL, SocketOptions, SocketStream, StreamOutcome, accepted_socket,
+                                          completion_body, dechunk, read_slowly, sse_outcome, socket_queues)
 from labkit.sampling import SamplingParams
 from labkit.util.threads import run_in_thread
 
@@ -89,8 +89,8 @@ class BufferSample:
     reached_front_end: int          # token events the engine has handed to the stream
     coalesced: int                  # events folded into a buffered one
     client_bytes: int               # bytes the slow client has read
-    server_send_queue: int | None   # kernel: the server socket's unacknowledged bytes
-    client_receive_queue: int | None  # kernel: bytes the client's socket holds unread
+    server_send_queue: int          # kernel: the server socket's unacknowledged bytes
+    client_receive_queue: int       # kernel: bytes the client's socket holds unread
 
 
 @dataclass
@@ -105,6 +105,8 @@ class PolicyRun:
     max_buffered: int
     wall_s: float
     blocks_left: int                # KV blocks in use once the run is over (0: none leaked)
+    others_after: int = 0           # slow-stream tokens handed on before the others started
+    others_started_s: float = 0.0   # when they started, from the start of the run
 
     @property
     def gaps_s(self) -> list[float]:
@@ -120,16 +122,16 @@ class PolicyRun:
         read, what the kernel held (server send queue + client receive queue) and, the rest,
         what uvicorn's transport held."""
         sample = next((s for s in self.samples if s.buffered >= threshold), None)
-        if sample is None or sample.server_send_queue is None:
+        if sample is None:
             return None
         handed = sample.reached_front_end - sample.buffered
         if not 0 < handed <= len(self.chunk_ends):
             return None
         sent = self.chunk_ends[handed - 1]
-        kernel = sample.server_send_queue + (sample.client_receive_queue or 0)
+        kernel = sample.server_send_queue + sample.client_receive_queue
         return {"t_s": sample.t_s, "events_handed_on": handed, "bytes_handed_on": sent,
                 "client_read_bytes": sample.client_bytes, "server_send_queue_bytes": sample.server_send_queue,
-                "client_receive_queue_bytes": sample.client_receive_queue or 0, "kernel_bytes": kernel,
+                "client_receive_queue_bytes": sample.client_receive_queue, "kernel_bytes": kernel,
                 "transport_bytes": sent - sample.client_bytes - kernel,
                 "events_past_client": handed - sum(e <= sample.client_bytes for e in self.chunk_ends)}
 
@@ -141,30 +143,40 @@ class PolicyRun:
                 "blocks_left": self.blocks_left, "wall_s": self.wall_s}
 
 
-def _sample_buffers(client: RecordingClient, prompt, stream: SocketStream, start: float, stop: threading.Event,
-                    out: list, interval: float) -> None:
+def _sample_buffers(client: RecordingClient, prompt, stream: SocketStream, server, start: float,
+                    stop: threading.Event, out: list, interval: float) -> None:
+    accepted = None
     while not stop.is_set():
         target = client.stream_of(prompt)
         port = getattr(stream, "local_port", None)
-        if target is not None and port is not None:
-            server = tcp_queues(stream.port, port)
-            mine = tcp_queues(port, stream.port)
+        if accepted is None and port is not None:
+            accepted = accepted_socket(server, port)
+        if target is not None and accepted is not None and not stream.closed:
+            try:
+                sent, held = socket_queues(accepted)[0], socket_queues(stream.sock)[1]
+            except OSError:  # a socket closed under us: the run is ending
+                break
             out.append(BufferSample(time.perf_counter() - start, target.buffered, target.tokens_received,
-                                    target.coalesced, len(stream.raw), server and server[0], mine and mine[1]))
+                                    target.coalesced, len(stream.raw), sent, held))
         stop.wait(interval)
 
 
 def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_prompts: list[list[int]],
-               max_tokens: int, *, max_buffered: int = 16, read_bytes: int = 32, every_s: float = 1.0,
-               options: SocketOptions = SocketOptions(), interval: float = 0.005, model: str = MODEL,
-               timeout_s: float = 900.0) -> PolicyRun:
+               max_tokens: int, *, others_after: int = 0, max_buffered: int = 16, read_bytes: int = 32,
+               every_s: float = 1.0, options: SocketOptions = SocketOptions(), interval: float = 0.005,
+               model: str = MODEL, timeout_s: float = 900.0) -> PolicyRun:
     """One run of the service (engine in this process, `BackgroundServer`) with `--slow-reader
     policy` and `--max-buffered-events max_buffered`: a raw-socket client asks for
-    `max_tokens` tokens and reads `read_bytes` every `every_s` seconds, while one normal
-    streaming client per prompt in `other_prompts` asks for as many. Once the others are done
-    and the engine has finished with (or cut off) the slow request, the slow client reads the
-    rest at once, so its whole outcome is known. Policy "none" is the control: the same
-    requests, the slow client reading at full speed."""
+    `max_tokens` tokens and reads `read_bytes` every `every_s` seconds. Once the engine has
+    handed the slow stream `others_after` tokens (the ones the buffers below the front end
+    will absorb, so that the policy is about to act), one normal streaming client per prompt
+    in `other_prompts` asks for the rest, `max_tokens - others_after` tokens each: their
+    gaps are measured while the policy acts. Once the others are done and the engine has
+    finished with (or cut off) the slow request, the slow client reads the rest at once, so
+    its whole outcome is known. Policy "none" is the control: the same requests, the slow
+    client reading at full speed."""
+    if not 0 <= others_after < max_tokens:
+        raise ValueError("others_after must be at least 0 and less than max_tokens")
     from labkit.serve.app import ServeSettings, build_app
     from labkit.serve.engine_client import InProcessEngine
     from labkit.serve.server import BackgroundServer
@@ -180,17 +192,21 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
             drain.set()
         start = time.perf_counter()
         sampler = threading.Thread(target=_sample_buffers, daemon=True,
-                                   args=(client, slow_prompt, stream, start, stop, samples, interval))
+                                   args=(client, slow_prompt, stream, server, start, stop, samples, interval))
         reader = threading.Thread(target=read_slowly, args=(stream, read_bytes, every_s, drain, timeout_s))
         stream.open()
         sampler.start()
         reader.start()
         while client.stream_of(slow_prompt) is None and time.perf_counter() - start < 60:
             time.sleep(0.005)
-        records, _ = run_in_thread(run_closed_loop, server.url, model, other_prompts,
-                                [max_tokens] * len(other_prompts), len(other_prompts),
-                                extra={"ignore_eos": True})
         target = client.stream_of(slow_prompt)
+        while (target.tokens_received < others_after and not target.finished
+               and time.perf_counter() - start < timeout_s):
+            time.sleep(0.005)
+        others_started = time.perf_counter() - start
+        records, _ = run_in_thread(run_closed_loop, server.url, model, other_prompts,
+                                   [max_tokens - others_after] * len(other_prompts), len(other_prompts),
+                                   extra={"ignore_eos": True})
         while not target.finished and time.perf_counter() - start < timeout_s:
             time.sleep(0.01)
         drain.set()
@@ -202,7 +218,7 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
             time.sleep(0.01)
     status, header, body, ends = dechunk(bytes(stream.raw))
     return PolicyRun(policy, sse_outcome(status, body), records, samples, ends, header, max_tokens, max_buffered,
-                     wall, engine.stats().blocks_used)
+                     wall, engine.stats().blocks_used, others_after, others_started)
 
 
 def stream_length_for(absorbed_bytes: int, chunk_bytes: int, max_buffered: int, margin: int) -> int:

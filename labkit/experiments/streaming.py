@@ -8,8 +8,9 @@ Chapter 27 runs these against `labkit serve` (and the slow-reader study in
   :func:`count_identical` hold every stream's text to its solo run.
 * :class:`SocketStream`: one streamed completion over a raw TCP socket whose receive buffer
   and segment size the caller chooses, read as slowly as the caller likes (:func:`read_slowly`);
-  :func:`tcp_queues`, :func:`kernel_absorption` and :func:`transport_high_water` measure the
-  buffers between the front end and such a reader.
+  :func:`socket_queues`, :func:`kernel_absorption` and :func:`transport_high_water` measure the
+  buffers between the front end and such a reader (:func:`proc_net_tcp_read_s`: why the
+  sockets are asked, not /proc/net/tcp).
 * :func:`disconnect_trials`: clients that leave after a few chunks; how long the service keeps
   the request, how many engine steps it runs for it, how long the next request waits.
   :func:`naive_app` builds the naive foil for the same trials.
@@ -18,9 +19,12 @@ Chapter 27 runs these against `labkit serve` (and the slow-reader study in
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import re
 import socket
+import struct
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -242,21 +246,29 @@ def read_slowly(stream: SocketStream, read_bytes: int, every_s: float, drain: th
         stream.close()
 
 
-def tcp_queues(local_port: int, remote_port: int) -> tuple[int, int] | None:
-    """(send queue, receive queue) in bytes of the loopback TCP socket local_port ->
-    remote_port, from /proc/net/tcp (None if there is none). On an established socket the
-    send queue is the data written and not yet acknowledged, sent or not."""
-    try:
-        lines = open("/proc/net/tcp").read().splitlines()[1:]
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        local, remote, queues = fields[1], fields[2], fields[4]
-        if int(local.split(":")[1], 16) == local_port and int(remote.split(":")[1], 16) == remote_port:
-            tx, rx = queues.split(":")
-            return int(tx, 16), int(rx, 16)
-    return None
+def socket_queues(sock) -> tuple[int, int]:
+    """(send queue, receive queue) in bytes of a TCP socket (or its file descriptor), from the
+    kernel by ioctl (SIOCOUTQ, SIOCINQ): the two numbers /proc/net/tcp prints for it, read in
+    microseconds where a read of /proc/net/tcp takes milliseconds of a core. On an
+    established socket the send queue is the data written and not yet acknowledged, sent or
+    not; the receive queue is what has arrived and not been read."""
+    fd = sock if isinstance(sock, int) else sock.fileno()
+    out = []
+    for request in (termios.TIOCOUTQ, termios.FIONREAD):  # SIOCOUTQ, SIOCINQ on Linux
+        out.append(struct.unpack("i", fcntl.ioctl(fd, request, b"\0" * 4))[0])
+    return out[0], out[1]
+
+
+def proc_net_tcp_read_s(repeats: int = 20) -> float:
+    """Median seconds one read of /proc/net/tcp takes here: the kernel walks its socket
+    tables for it, which is why a sampler asks the sockets themselves (`socket_queues`)."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        with open("/proc/net/tcp") as f:
+            f.read()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
 
 
 @dataclass(frozen=True)
@@ -290,10 +302,7 @@ def kernel_absorption(options: SocketOptions = SocketOptions(), piece: int = 224
                 if time.perf_counter() - quiet_since > settle_s:
                     break
                 time.sleep(0.005)
-        port, peer_port = client.getsockname()[1], peer.getsockname()[1]
-        sent = tcp_queues(peer_port, port) or (0, 0)
-        held = tcp_queues(port, peer_port) or (0, 0)
-        return KernelAbsorption(total, sent[0], held[1])
+        return KernelAbsorption(total, socket_queues(peer)[0], socket_queues(client)[1])
     finally:
         for s in (client, peer, server):
             s.close()
@@ -343,6 +352,24 @@ def poll_seconds(url: str, polls: int = 6, *, keep_alive: bool) -> list[float]:
             read_metrics(client, url)
             out.append(time.perf_counter() - began)
     return out[1:]
+
+
+def accepted_socket(server, client_port: int) -> int | None:
+    """The file descriptor of the connection a `BackgroundServer` accepted from the client
+    socket at `client_port` (None while there is none). Safe to call from another thread."""
+    for _ in range(3):  # the server's thread may change the set while we look
+        try:
+            connections = list(server.server.server_state.connections)
+            break
+        except RuntimeError:
+            continue
+    else:
+        return None
+    for c in connections:
+        peer = c.transport.get_extra_info("peername")
+        if peer and peer[1] == client_port:
+            return c.transport.get_extra_info("socket").fileno()
+    return None
 
 
 def accepted_socket_nodelay(server) -> list[int]:
