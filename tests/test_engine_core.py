@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import greedy_reference as solo_greedy, make_tiny_llama
-from labkit.engine.core import AddRequest, EngineCore, RequestStream, StreamEnd
+from labkit.engine.core import EngineCore, StreamEnd
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
 
@@ -145,25 +145,4 @@ def test_state_is_bounded(tiny):
         assert all(s.get(timeout=1) for s in streams)
     assert core.open_requests == 0
     assert len(core.engine.transitions) == 25
-    assert_clean(core.engine)
-
-
-def test_arrival_is_when_the_core_got_the_request_not_when_a_step_took_it(tiny):
-    # A step in progress delays when the engine takes a request; that is waiting for the
-    # engine (Server-Timing's "queue"), not part of the hop to it ("to-engine").
-    now = [100.0]
-    core = EngineCore(LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_tokens=256), clock=lambda: now[0]))
-    stream = core.add(prompts(20, 1)[0], SamplingParams(temperature=0.0, max_tokens=2))
-    now[0] = 105.0  # the step that was running when the request came in ends
-    core.run_until_idle()
-    list(stream)
-    assert stream.output.arrival_time == 100.0
-    assert stream.output.first_scheduled_time == 105.0
-    # a command that carries its arrival (the worker's receiving thread stamps it) keeps it
-    sink = RequestStream("given", core)
-    core.submit(AddRequest("given", prompts(21, 1)[0], SamplingParams(temperature=0.0, max_tokens=2),
-                           arrival_time=90.0), sink)
-    core.run_until_idle()
-    list(sink)
-    assert sink.output.arrival_time == 90.0
     assert_clean(core.engine)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence as Seq
 
 from labkit.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, TokenEvent
@@ -40,7 +40,6 @@ class AddRequest:
     params: SamplingParams
     n: int = 1
     cache_salt: str | None = None
-    arrival_time: float | None = None  # on the engine's clock; `submit` stamps it if None
 
 
 @dataclass(frozen=True)
@@ -123,11 +122,7 @@ class EngineCore:
 
     def submit(self, command: AddRequest, sink: Sink) -> None:
         """Queue an already checked request whose items go to `sink`. ValueError if its id
-        is in use (nothing is queued then). The request's arrival time is now, unless the
-        command carries one: a step in progress delays when the engine takes the request,
-        which is waiting for the engine, not part of getting there."""
-        if command.arrival_time is None:
-            command = replace(command, arrival_time=self.engine.clock())
+        is in use (nothing is queued then)."""
         with self._lock:
             if command.request_id in self._sinks:
                 raise ValueError(f"request id {command.request_id!r} is already in use")
@@ -158,12 +153,6 @@ class EngineCore:
         self._route(events)
         return self.engine.has_unfinished()
 
-    def wait_for_work(self, timeout: float) -> bool:
-        """Block until a command is queued or `timeout` seconds pass; True if one was."""
-        woke = self._wake.wait(timeout)
-        self._wake.clear()
-        return woke
-
     def run_until_idle(self) -> None:
         while self.run_once():
             pass
@@ -191,7 +180,8 @@ class EngineCore:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if not self.run_once() and self._commands.empty():
-                self.wait_for_work(0.05)
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
 
     def _apply_commands(self) -> None:
         while True:
@@ -202,8 +192,7 @@ class EngineCore:
             if isinstance(command, AddRequest):
                 try:
                     self.engine.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
-                                            n=command.n, cache_salt=command.cache_salt,
-                                            arrival_time=command.arrival_time)
+                                            n=command.n, cache_salt=command.cache_salt)
                 except ValueError as error:
                     self._end(command.request_id, StreamEnd(None, error))
             elif command.request_id in self.engine.requests:

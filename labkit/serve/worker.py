@@ -1,8 +1,8 @@
 """The engine in its own process, and the front end's handle on it.
 
     front end (uvicorn's event loop)                     engine worker (its own process)
-    WorkerEngine.submit --AddRequest/AbortRequest--> PULL  a receiving thread -> EngineCore
-    ResultStream.put   <--Batch(items, stats)------- PUSH  the step loop: every step's events and ends
+    WorkerEngine.submit --AddRequest/AbortRequest--> PULL  commands -> EngineCore.run_once()
+    ResultStream.put   <--Batch(items, stats)------- PUSH  every step's events and ends
 
 The two talk over a pair of pyzmq sockets on a private IPC path; messages are pickled
 dataclasses. The worker owns the model and the step loop and never waits for a client: it
@@ -24,11 +24,9 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import queue
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -88,7 +86,7 @@ class Shutdown:
 class _Outbox:
     """The core's sink for one request: its items wait here until the step's batch is sent."""
 
-    def __init__(self, items: queue.SimpleQueue, request_id: str):
+    def __init__(self, items: list, request_id: str):
         self.items, self.request_id = items, request_id
 
     def put(self, item: TokenEvent | StreamEnd) -> None:
@@ -96,30 +94,7 @@ class _Outbox:
             # Exceptions cross the process boundary as one of two picklable kinds.
             kind = ValueError if isinstance(item.error, ValueError) else RuntimeError
             item = StreamEnd(None, kind(str(item.error)))
-        self.items.put((self.request_id, item))
-
-
-def _receive(commands, core: EngineCore, stop: threading.Event, refused: queue.SimpleQueue) -> None:
-    """The worker's receiving thread: each command goes to the core the moment it arrives, so
-    a request's arrival time is when it reached the worker, not when the step in progress
-    ended (the core's loop picks it up at its next step)."""
-    try:
-        while not stop.is_set():
-            if not commands.poll(100):
-                continue
-            message = commands.recv_pyobj()
-            if isinstance(message, Shutdown):
-                break
-            if isinstance(message, AddRequest):
-                try:
-                    core.submit(message, _Outbox(refused, message.request_id))
-                except ValueError as error:  # its id is in use
-                    refused.put((message.request_id, StreamEnd(None, ValueError(str(error)))))
-            elif isinstance(message, AbortRequest):
-                core.abort(message.request_id)
-    finally:
-        stop.set()  # the loop sees it within its 0.1 s wait
-        commands.close(linger=0)
+        self.items.append((self.request_id, item))
 
 
 def worker_main(spec: WorkerSpec, command_address: str, event_address: str) -> None:
@@ -132,30 +107,35 @@ def worker_main(spec: WorkerSpec, command_address: str, event_address: str) -> N
     events = context.socket(zmq.PUSH)
     events.connect(event_address)
     events.send_pyobj(Ready(core.engine.limits, os.getpid()))
-    # The core's sinks put items from this thread only (in run_once); refusals come from the
-    # receiver. Both go through one thread-safe queue, drained into each step's batch.
-    items: queue.SimpleQueue = queue.SimpleQueue()
-    stop = threading.Event()
-    receiver = threading.Thread(target=_receive, args=(commands, core, stop, items),
-                                name="labkit-worker-receive", daemon=True)
-    receiver.start()
+    outbox: list[tuple[str, TokenEvent | StreamEnd]] = []
     sent_stats = None
     try:
-        while not stop.is_set():
-            if not core.engine.has_unfinished() and items.empty() and not core.wait_for_work(0.1):
-                if os.getppid() != parent:
-                    return  # the front end is gone; nobody will read our events
-                continue
+        while True:
+            busy = core.engine.has_unfinished()
+            if commands.poll(0 if busy else 100):
+                while True:
+                    try:
+                        message = commands.recv_pyobj(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if isinstance(message, Shutdown):
+                        return
+                    if isinstance(message, AddRequest):
+                        try:
+                            core.submit(message, _Outbox(outbox, message.request_id))
+                        except ValueError as error:
+                            outbox.append((message.request_id, StreamEnd(None, ValueError(str(error)))))
+                    elif isinstance(message, AbortRequest):
+                        core.abort(message.request_id)
+            elif os.getppid() != parent:
+                return  # the front end is gone; nobody will read our events
             core.run_once()
-            batch = []
-            while not items.empty():
-                batch.append(items.get())
-            if batch or core.stats != sent_stats:
-                events.send_pyobj(Batch(batch, core.stats))
+            if outbox or core.stats != sent_stats:
+                events.send_pyobj(Batch(list(outbox), core.stats))
+                outbox.clear()
                 sent_stats = core.stats
     finally:
-        stop.set()
-        receiver.join(5)
+        commands.close(linger=0)
         events.close(linger=0)
         context.term()
 
