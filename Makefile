@@ -43,7 +43,7 @@ test-unit: model
 
 # Every chapter's checked cells, ci profile; the flag keeps live-only widgets out.
 test-notebooks: model
-	LABKIT_HEADLESS=1 $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+	LABKIT_HEADLESS=1 $(BIN)/python -m pytest -q --durations=40 --nbval-lax -p no:cacheprovider notebooks
 
 # Rewrite the constraints file from the current environment (after a deliberate upgrade).
 freeze: env
