@@ -168,8 +168,8 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
     """One run of the service (engine in this process, `BackgroundServer`) with `--slow-reader
     policy` and `--max-buffered-events max_buffered`: a raw-socket client asks for
     `max_tokens` tokens and reads `read_bytes` every `every_s` seconds. Once the engine has
-    handed the slow stream `others_after` tokens (the ones the buffers below the front end
-    will absorb, so that the policy is about to act), one normal streaming client per prompt
+    handed the slow stream `others_after` tokens (fewer than the buffers below the front end
+    absorb, so that the policy has yet to act), one normal streaming client per prompt
     in `other_prompts` asks for the rest, `max_tokens - others_after` tokens each: their
     gaps are measured while the policy acts. Once the others are done and the engine has
     finished with (or cut off) the slow request, the slow client reads the rest at once, so

@@ -354,18 +354,20 @@ def poll_seconds(url: str, polls: int = 6, *, keep_alive: bool) -> list[float]:
     return out[1:]
 
 
+def _open_connections(server) -> list:
+    """The connections a `BackgroundServer` holds open, read safely from another thread."""
+    for _ in range(3):  # the server's thread may change the set while we look
+        try:
+            return list(server.server.server_state.connections)
+        except RuntimeError:
+            continue
+    return []
+
+
 def accepted_socket(server, client_port: int) -> int | None:
     """The file descriptor of the connection a `BackgroundServer` accepted from the client
     socket at `client_port` (None while there is none). Safe to call from another thread."""
-    for _ in range(3):  # the server's thread may change the set while we look
-        try:
-            connections = list(server.server.server_state.connections)
-            break
-        except RuntimeError:
-            continue
-    else:
-        return None
-    for c in connections:
+    for c in _open_connections(server):
         peer = c.transport.get_extra_info("peername")
         if peer and peer[1] == client_port:
             return c.transport.get_extra_info("socket").fileno()
@@ -375,7 +377,7 @@ def accepted_socket(server, client_port: int) -> int | None:
 def accepted_socket_nodelay(server) -> list[int]:
     """TCP_NODELAY of each connection a `BackgroundServer` holds open (0: Nagle on)."""
     return [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            for c in server.server.server_state.connections]
+            for c in _open_connections(server)]
 
 
 @dataclass
