@@ -115,6 +115,9 @@ def test_results_write_metrics_json(monkeypatch, tmp_path):
     assert res.not_run("gpu_tok_s", "no CUDA device") == f"{NOT_RUN} (no CUDA device)"
     with pytest.raises(ValueError):
         res.not_run("x", "")
+    note = res.not_run("c_kernel_text", "no C compiler", what="the C kernel")
+    assert note == f"{NOT_RUN}: the C kernel did not run here (no C compiler)."
+    assert res.not_run_reasons["c_kernel_text"] == "no C compiler"
     fig, ax = new_figure()
     ax.plot([0, 1], [0, 1])
     assert res.savefig(fig, "line") is None
@@ -128,7 +131,7 @@ def test_results_write_metrics_json(monkeypatch, tmp_path):
     record = json.loads(path.read_text())
     assert record["chapter"] == "ch01" and record["profile"] == "ci"
     assert record["metrics"]["decode_tok_s"] == {"value": 12.345, "unit": "tokens/s", "text": "12.3"}
-    assert record["not_run"] == {"gpu_tok_s": "no CUDA device"}
+    assert record["not_run"] == {"gpu_tok_s": "no CUDA device", "c_kernel_text": "no C compiler"}
     assert record["workload"] == {"prompt": "hello", "max_new_tokens": 16}
     assert record["figures"] == ["line.png", "line.svg"] and record["tables"] == ["tbl.csv"]
     assert "git_revision" in record and "timestamp" in record

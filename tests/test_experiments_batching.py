@@ -93,6 +93,7 @@ def test_sweep_plumbing_on_tiny_model():
     points = b.load_sweep(model, work, cap, [0.5, 1.0], systems, seed=3)
     assert [(p.load, p.system) for p in points] == [(0.5, "continuous"), (0.5, "static"),
                                                      (1.0, "continuous"), (1.0, "static")]
+    assert {p.repeat for p in points} == {0}
     assert points[0].rate == pytest.approx(cap / 2)
     for p in points:
         assert [r.output_tokens for r in p.run.records] == work.max_tokens
@@ -145,3 +146,41 @@ def test_times_phrase_and_range_words():
     assert against_range(10, 17, 27) == "smaller than the source's"
     assert against_range(30, 17, 27) == "larger than the source's"
     assert against_range(20, 17, 27) == "within the source's range"
+
+
+# -- repeats of the load sweep ------------------------------------------------------------------
+
+def test_repeats_draw_new_arrivals_and_every_system_meets_the_same_ones():
+    seen = []
+
+    def runner(model, work, config, name):
+        seen.append((name, tuple(work.arrivals)))
+        return name
+
+    points = b.load_sweep(None, Workload([[1], [2], [3]], [2, 2, 2]), 2.0, [0.5, 1.0],
+                          {"a": None, "b": None}, seed=7, runner=runner, repeats=2)
+    assert [(p.repeat, p.load, p.system) for p in points] == [
+        (r, load, s) for r in (0, 1) for load in (0.5, 1.0) for s in "ab"]
+    arrivals = [a for _, a in seen]
+    assert arrivals[0] == arrivals[1] and arrivals[4] == arrivals[5]  # same for both systems
+    assert arrivals[0] != arrivals[4]  # a new pattern in the second repeat
+    with pytest.raises(ValueError):
+        b.load_sweep(None, Workload([[1]], [2]), 1.0, [1.0], {}, repeats=0)
+
+
+def test_ratio_spread_pairs_systems_within_each_repeat():
+    rows = [{"load": 0.3, "repeat": r, "system": s, "ttft": t}
+            for r, (st, ct) in enumerate([(0.6, 0.1), (0.9, 0.1), (0.8, 0.2)])
+            for s, t in (("static", st), ("continuous", ct))]
+    rows.append({"load": 1.0, "repeat": 0, "system": "static", "ttft": 5.0})
+    got = b.ratio_spread(rows, "ttft", "static", "continuous", 0.3)
+    assert (got.low, got.median, got.high, got.runs) == pytest.approx((4.0, 6.0, 9.0, 3))
+    assert got.range_text("{:.0f}") == "4-9 over 3 runs"
+
+
+def test_waited_phrase_claims_a_direction_only_when_every_run_agrees():
+    assert b.waited_phrase(b.spread([5.0, 6.0, 7.0])) == "6.0 times as long (5.0-7.0 over 3 runs)"
+    assert b.waited_phrase(b.spread([0.5, 0.25, 0.4])).startswith("2.5 times shorter (2.0-4.0")
+    assert b.waited_phrase(b.spread([0.9, 1.3, 1.1])).startswith(
+        "no different beyond the run-to-run spread")
+    assert "one run" in b.waited_phrase(b.spread([3.0]))

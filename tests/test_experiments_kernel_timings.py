@@ -12,10 +12,18 @@ from labkit.kernels import native
 from labkit.kernels.packed import is_packed
 
 
+def test_without_the_c_kernel_there_is_no_c_row(monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: None)
+    models = kernels.matrix_kernel_models(make_tiny_llama(seed=8))
+    assert list(models) == ["F.linear (MKL)", "oneDNN, packed weights"]
+
+
+@pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
 def test_matrix_kernel_models_are_the_same_weights_three_ways():
     model = make_tiny_llama(seed=8)
     models = kernels.matrix_kernel_models(model)
     plain, onednn, gemv = models.values()
+    assert list(models)[-1] == kernels.C_GEMV
     assert plain is model and is_packed(onednn) and is_packed(gemv)
     assert not onednn.lm_head.native_gemv and gemv.lm_head.native_gemv
     ids = torch.tensor([[3, 1, 4, 1, 5]])

@@ -194,19 +194,3 @@ def test_compare_at_uses_every_timed_call():
                        {"method": "b", "length": 8, "samples_s": [3.0, 3.1, 3.2]}])
     c = compare_at(df, "a", "b", 8)
     assert c.verdict == "faster" and 2.5 < c.ratio < 3.0
-
-
-def test_panel_labels_sit_above_the_axes():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from labkit.util.figures import panel_labels
-
-    fig, axes = plt.subplots(1, 2)
-    panel_labels(axes)
-    texts = [[t.get_text() for t in ax.texts] for ax in axes]
-    assert texts == [["(a)"], ["(b)"]]
-    assert all(t.get_position()[1] > 1 for ax in axes for t in ax.texts)
-    plt.close(fig)

@@ -55,3 +55,8 @@ def test_phrases_claim_no_more_than_the_interval():
     assert compare(fast, slow).phrase().startswith(f"{compare(fast, slow).ratio:.2f} times faster (95% interval ")
     assert compare(slow, fast).phrase().startswith("slower: ")
     assert compare(fast, samples(1.0, 0.02, 9, 13)).phrase().startswith("no faster beyond the noise (ratio ")
+    assert compare(fast, slow).phrase_than("eager").startswith(
+        f"{compare(fast, slow).ratio:.2f} times faster than eager (95% interval ")
+    assert compare(slow, fast).phrase_than("eager").startswith("slower than eager: ")
+    assert compare(fast, samples(1.0, 0.02, 9, 13)).phrase_than("eager").startswith(
+        "no faster than eager beyond the noise (ratio ")

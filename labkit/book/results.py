@@ -216,16 +216,24 @@ class Results:
         self._glue(name, text if text is not None else value)
         return value
 
-    def not_run(self, name: str, reason: str) -> str:
+    def not_run(self, name: str, reason: str, *, what: str | None = None) -> str:
         """Record that ``name`` could not be measured here, and why; glue
-        ``"NOT_RUN (reason)"`` under ``name`` so the prose shows the reason, never a number."""
+        ``"NOT_RUN (reason)"`` under ``name`` so the prose shows the reason, never a number.
+
+        With ``what`` the glued text is a sentence of its own, ``"NOT_RUN: <what> did not run
+        here (<reason>)."``, for a passage that stands where the measured sentence would be
+        (glue the measured sentence under the same name with :meth:`metric` when it ran), so
+        that NOT_RUN never sits inside a sentence written for a number."""
         self._check_name(name)
         if not reason or not str(reason).strip():
             raise ValueError("a NOT_RUN needs its reason")
         reason = str(reason).strip()
         self.not_run_reasons[name] = reason
         self.metrics.pop(name, None)
-        text = f"{NOT_RUN} ({reason})"
+        if what is None:
+            text = f"{NOT_RUN} ({reason})"
+        else:
+            text = f"{NOT_RUN}: {str(what).strip()} did not run here ({reason})."
         self._glue(name, text)
         return text
 

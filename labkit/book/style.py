@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from labkit.util.figures import panel_labels, plain_log_ticks  # noqa: F401 (re-exported)
+from labkit.util.figures import (  # noqa: F401 (re-exported)
+    panel_labels, plain_log_ticks, plain_ticks, ticks_at)
 from labkit.util.palette import LINESTYLES, MARKERS, OKABE_ITO  # noqa: F401 (the style's palette)
 
 FIGSIZE = (6.4, 3.6)
@@ -93,4 +94,4 @@ def new_figure(nrows: int = 1, ncols: int = 1, *, width: float | None = None,
 
 
 __all__ = ["use_book_style", "new_figure", "OKABE_ITO", "LINESTYLES", "MARKERS", "FIGSIZE", "BOOK_RC",
-           "panel_labels", "plain_log_ticks"]
+           "panel_labels", "plain_log_ticks", "plain_ticks", "ticks_at"]

@@ -272,17 +272,77 @@ class SweepPoint:
     rate: float          # requests per second offered
     system: str
     run: RunResult
+    repeat: int = 0      # which run of the sweep (its arrivals are drawn from seed + repeat)
 
 
 def load_sweep(model, workload: Workload, capacity_rps: float, loads: Sequence[float], systems: dict,
-               seed: int = 0, runner: Callable = run_engine) -> list[SweepPoint]:
+               seed: int = 0, runner: Callable = run_engine, repeats: int = 1) -> list[SweepPoint]:
     """Run every system (name -> EngineConfig) at every offered load (fraction of
-    `capacity_rps`), on the same prompts. All loads share one seed, so their Poisson
-    arrival times are the same pattern compressed or stretched in time."""
+    `capacity_rps`), on the same prompts, `repeats` times. Within a repeat all loads share
+    one seed, so their Poisson arrival times are the same pattern compressed or stretched in
+    time, and every system meets the same arrivals; repeat r draws its pattern from
+    `seed + r`, so the spread over repeats holds both the machine's noise and the luck of
+    the arrivals. Repeats run one after another, each through every load, so a slow spell
+    of the machine falls on one repeat rather than on one load."""
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
     points = []
-    for load in loads:
-        rate = load * capacity_rps
-        work = with_arrivals(workload, rate, seed)
-        for name, config in systems.items():
-            points.append(SweepPoint(load, rate, name, runner(model, work, config, name)))
+    for repeat in range(repeats):
+        for load in loads:
+            rate = load * capacity_rps
+            work = with_arrivals(workload, rate, seed + repeat)
+            for name, config in systems.items():
+                points.append(SweepPoint(load, rate, name, runner(model, work, config, name), repeat))
     return points
+
+
+@dataclass(frozen=True)
+class RunSpread:
+    """One quantity over the repeats of a sweep: its median, lowest and highest value."""
+    median: float
+    low: float
+    high: float
+    runs: int
+
+    def range_text(self, fmt: str = "{:.2f}") -> str:
+        """'0.11-0.13 over 5 runs', or 'one run' when there is nothing to spread."""
+        if self.runs == 1:
+            return "one run"
+        return f"{fmt.format(self.low)}-{fmt.format(self.high)} over {self.runs} runs"
+
+
+def spread(values: Sequence[float]) -> RunSpread:
+    """The median, lowest and highest of per-run values."""
+    values = [float(v) for v in values]
+    if not values:
+        raise ValueError("no runs")
+    return RunSpread(quantile(values, 0.5), min(values), max(values), len(values))
+
+
+def ratio_spread(rows: Sequence[dict], column: str, numerator: str, denominator: str,
+                 load: float) -> RunSpread:
+    """`column` of system `numerator` over that of `denominator` at one load, a ratio per
+    repeat (both systems met the same arrivals in a repeat), spread over the repeats.
+    `rows` are `summarize` rows with `load`, `repeat` and `system`."""
+    by_run: dict[int, dict[str, float]] = {}
+    for row in rows:
+        if row["load"] == load:
+            by_run.setdefault(row.get("repeat", 0), {})[row["system"]] = row[column]
+    ratios = [run[numerator] / run[denominator] for run in by_run.values()
+              if numerator in run and denominator in run]
+    return spread(ratios)
+
+
+def waited_phrase(ratio: RunSpread) -> str:
+    """How many times as long the numerator's requests waited, claiming a direction only when
+    every run agrees: "6.1 times as long (5.2-7.0 over 5 runs)", "2.0 times shorter (...)",
+    or "no different beyond the run-to-run spread (ratios 0.9-1.2 over 5 runs)". With one run
+    there is no spread to judge by, and the phrase says so."""
+    if ratio.runs == 1:
+        return times_phrase(ratio.median, 1.0) + " (one run, so no spread to judge it by)"
+    if ratio.low > 1.0:
+        return f"{ratio.median:.1f} times as long ({ratio.range_text('{:.1f}')})"
+    if ratio.high < 1.0:
+        return (f"{1 / ratio.median:.1f} times shorter "
+                f"({1 / ratio.high:.1f}-{1 / ratio.low:.1f} over {ratio.runs} runs)")
+    return f"no different beyond the run-to-run spread (ratios {ratio.range_text()})"

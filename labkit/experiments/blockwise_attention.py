@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from labkit.util.figures import plain_log_ticks
+from labkit.util.figures import plain_log_ticks, plain_ticks, ticks_at
 
 
 @dataclass
@@ -212,16 +212,13 @@ def time_ratios(df, pairs):
 def plot_block_sizes(ax_time, ax_memory, df) -> None:
     """Block-size sweep (``df`` from :func:`records_frame` with a ``block`` column): median
     time (ms) and extra allocation (MiB) against the block size, log-log, plain tick labels."""
-    from matplotlib.ticker import NullLocator
-
     df = df.sort_values("block")
     for ax, col, label in ((ax_time, "median_ms", "time per call (ms)"),
                            (ax_memory, "extra_mib", "extra allocated (MiB)")):
         ax.plot(df["block"], df[col], marker="o")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xticks(list(df["block"]), [str(b) for b in df["block"]])
-        ax.xaxis.set_minor_locator(NullLocator())
+        ticks_at(ax.xaxis, df["block"], "{:g}")
         plain_log_ticks(ax.yaxis)
         ax.set_xlabel("block size Br = Bc")
         ax.set_ylabel(label)
@@ -247,12 +244,12 @@ def plot_peaks(ax, df, formulas=None) -> None:
 
 def _length_axis(ax) -> None:
     """A log-2 x axis of sequence lengths, labelled with the lengths themselves."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+    from matplotlib.ticker import LogLocator, NullLocator
 
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(LogLocator(base=2))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.xaxis.set_minor_locator(NullLocator())
+    plain_ticks(ax.xaxis, "{:,.0f}")
     ax.set_xlabel("sequence length (tokens)")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from labkit.util.figures import ticks_at
 from labkit.util.palette import MARKERS, OKABE_ITO
 
 __all__ = ["STAGE_ORDER", "stage_colours", "plot_timeline", "plot_call_durations",
@@ -73,8 +74,6 @@ def plot_call_durations(ax, events: Sequence[tuple[str, float, float]]):
     Tick labels are plain numbers of milliseconds (0.01, 0.1, 1, 10, 100), not powers of ten.
     Returns the stages drawn, in legend order.
     """
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
-
     if not events:
         raise ValueError("no events to draw")
     colours = stage_colours([e[0] for e in events])
@@ -90,9 +89,7 @@ def plot_call_durations(ax, events: Sequence[tuple[str, float, float]]):
     low, high = min(durations), max(durations)
     decades = [10.0 ** k for k in range(-4, 6) if low / 10 <= 10.0 ** k <= high * 10]
     ax.set_ylim(low / 2, high * 2)
-    ax.yaxis.set_major_locator(FixedLocator(decades))
-    ax.yaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ticks_at(ax.yaxis, decades, "{:g}")
     ax.set_xlim(0, len(events) + 1)
     ax.set_xlabel("call, in the order the request made it")
     ax.set_ylabel("duration of the call (ms)")

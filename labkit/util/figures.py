@@ -28,4 +28,23 @@ def plain_log_ticks(axis) -> None:
     axis.set_minor_formatter(FuncFormatter(label))
 
 
-__all__ = ["panel_labels", "plain_log_ticks"]
+def plain_ticks(axis, fmt: str = "{:,g}") -> None:
+    """Label every major tick of `axis` with a plain number (``1,000``, not ``10^3``) and
+    every minor one with nothing."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _: fmt.format(value)))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def ticks_at(axis, values, fmt: str = "{:,g}") -> None:
+    """Put the ticks of `axis` exactly at `values` (the sizes a sweep measured, say),
+    labelled as plain numbers, with no minor ticks between them."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    axis.set_major_locator(FixedLocator(list(values)))
+    axis.set_minor_locator(NullLocator())
+    plain_ticks(axis, fmt)
+
+
+__all__ = ["panel_labels", "plain_log_ticks", "plain_ticks", "ticks_at"]
