@@ -146,3 +146,23 @@ def test_state_is_bounded(tiny):
     assert core.open_requests == 0
     assert len(core.engine.transitions) == 25
     assert_clean(core.engine)
+
+
+def test_a_command_keeps_the_arrival_it_was_given(tiny):
+    from labkit.engine.core import AddRequest, RequestStream
+
+    core = new_core(tiny)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    given = core.engine.clock() - 5.0  # reached the engine's process five seconds ago
+    stamped = RequestStream("stamped", core)
+    core.submit(AddRequest("stamped", prompts(7, 1)[0], params, arrival_time=given), stamped)
+    unstamped = core.add(prompts(8, 1)[0], params)
+    before = core.engine.clock()
+    core.run_until_idle()
+    while not (stamped.finished and unstamped.finished):
+        for stream in (stamped, unstamped):
+            if not stream.finished:
+                stream.get(timeout=1)
+    assert stamped.output.arrival_time == given
+    assert before <= unstamped.output.arrival_time <= core.engine.clock()  # applied by the loop
+    assert_clean(core.engine)

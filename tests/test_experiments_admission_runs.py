@@ -280,3 +280,44 @@ def test_live_experiment_on_two_policies_and_a_give_up():
     assert cut.gave_up and cut.counts()["unanswered"] > 0
     rows = ar.live_vs_sim(exp.runs, exp.warmup_s)
     assert [r["policy"] for r in rows] == ["unbounded", "admit-by-estimate"]
+
+
+def test_order_across_rounds_keeps_only_what_every_round_agrees_on():
+    from types import SimpleNamespace
+
+    def run(policy, in_time):
+        return SimpleNamespace(policy=policy, counts=lambda: {"in_time": in_time})
+
+    rounds = [[run("unbounded", 12), run("bounded", 25), run("drop-expired", 115)],
+              [run("unbounded", 17), run("bounded", 16), run("drop-expired", 106)]]
+    got = ar.order_across_rounds(rounds)
+    assert got["in_time"] == {"unbounded": [12, 17], "bounded": [25, 16], "drop-expired": [115, 106]}
+    assert set(got["agreed"]) == {("drop-expired", "unbounded"), ("drop-expired", "bounded")}
+    assert got["disputed"] == [("unbounded", "bounded")]
+    tied = ar.order_across_rounds([[run("a", 3), run("b", 3)], [run("a", 4), run("b", 2)]])
+    assert tied["disputed"] == [("a", "b")] and tied["agreed"] == []
+
+
+def test_rounds_phrase_names_only_the_disputed_pairs():
+    one = {"in_time": {"a": [3], "b": [4]}, "agreed": [("b", "a")], "disputed": []}
+    assert ar.rounds_phrase(one).startswith("With one round")
+    same = {"in_time": {"a": [3, 2], "b": [4, 5]}, "agreed": [("b", "a")], "disputed": []}
+    assert ar.rounds_phrase(same) == "All 2 rounds put the policies in the same order."
+    split = {"in_time": {"a": [3, 5], "b": [4, 4], "c": [9, 9]},
+             "agreed": [("c", "a"), ("c", "b")], "disputed": [("a", "b")]}
+    assert "agreed on 2 of the 3 pairs" in ar.rounds_phrase(split)
+    assert "a against b" in ar.rounds_phrase(split)
+
+
+def test_source_order_phrase_reads_every_round():
+    from types import SimpleNamespace
+
+    def runs(*counts):
+        return [SimpleNamespace(counts=lambda c=c: {"in_time": c}) for c in counts]
+
+    rising, falling = runs(12, 25, 115, 137), runs(17, 16, 106, 127)
+    assert ar.source_order_phrase([rising]) == "The order of the four is the source's"
+    assert ar.source_order_phrase([rising, rising]).endswith("in every round")
+    assert ar.source_order_phrase([falling]) == "The order of the four differs from the source's"
+    assert ar.source_order_phrase([falling, rising]) == (
+        "The order of the four is the source's in round 2 but not in the others")

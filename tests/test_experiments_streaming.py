@@ -282,13 +282,13 @@ def test_a_departed_client_is_let_go_within_a_few_steps(served, model, engine):
 @pytest.mark.slow
 def test_abort_cuts_the_slow_stream_once_every_buffer_below_is_full(engine, model):
     prompts = st.stream_prompts(model.tokenizer, 2, 8, 24)
-    low, high = st.transport_high_water()
+    low, high = 2048, 8192  # smaller marks than asyncio's 16 and 64 KiB: a shorter stream fills them
     chunk = sr.framed_chunk_bytes()
     absorbed = st.kernel_absorption(piece=chunk).written + high
-    tokens = sr.stream_length_for(absorbed, chunk, 4, 96)
+    tokens = sr.stream_length_for(absorbed, chunk, 4, 48)
     after = high // chunk  # the others start before the policy acts, with the kernel's share to go
     run = sr.policy_run(engine, model.tokenizer, "abort", prompts[0], prompts[1:], tokens, max_buffered=4,
-                        others_after=after)
+                        others_after=after, transport_limits=(low, high))
     assert run.slow.errors == ["slow_reader"] and run.slow.chunks < tokens
     # the others waited until the slow stream had been handed `after` tokens
     at_start = next(x for x in run.samples if x.t_s >= run.others_started_s)

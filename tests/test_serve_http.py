@@ -163,6 +163,24 @@ def test_a_whole_answer_says_where_its_time_went(server):
     assert sum(durations.values()) >= 0.5 * elapsed_ms, durations  # most of the time is accounted for
 
 
+def test_the_way_to_the_engine_does_not_include_the_step_in_progress(server):
+    """A request that reaches the worker during a long step waits for that step in the queue:
+    `to-engine` is the hop to the worker alone (its receiving thread notes the arrival)."""
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 120)  # ~1,100 tokens
+    body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1, "temperature": 0,
+            "cache_salt": f"long-{time.monotonic()}"}  # no cached prefix: a whole prefill
+    long_request = threading.Thread(target=post, args=(server, "/v1/completions", body))
+    long_request.start()
+    time.sleep(0.3)  # its prefill steps (hundreds of ms each on this CPU) are under way
+    answer = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1,
+                                              "temperature": 0})
+    long_request.join()
+    stages = dict(part.strip().split(";dur=") for part in answer.headers["server-timing"].split(","))
+    durations = {name: float(ms) for name, ms in stages.items()}
+    assert durations["to-engine"] < 50, durations
+    assert durations["queue"] > durations["to-engine"], durations
+
+
 # -- awkward requests ------------------------------------------------------------------------
 
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy decoding goes on counting: no early end of sequence

@@ -40,6 +40,10 @@ class AddRequest:
     params: SamplingParams
     n: int = 1
     cache_salt: str | None = None
+    # When the request reached the engine's process, on the engine's clock. None: when the
+    # loop applies the command. A worker that receives commands on a thread of its own sets
+    # it, so that waiting for the step in progress counts as queueing, not as the way there.
+    arrival_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,8 @@ class EngineCore:
             if isinstance(command, AddRequest):
                 try:
                     self.engine.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
-                                            n=command.n, cache_salt=command.cache_salt)
+                                            n=command.n, cache_salt=command.cache_salt,
+                                            arrival_time=command.arrival_time)
                 except ValueError as error:
                     self._end(command.request_id, StreamEnd(None, error))
             elif command.request_id in self.engine.requests:

@@ -343,6 +343,7 @@ class LiveExperiment:
     stale_teaching: tuple[int, int, int]  # (requests, prompt tokens, max_tokens) of that warm-up
     estimate_fresh_s: float    # the service's estimate of one request before each run ...
     estimate_stale_s: float    # ... and before the stale one
+    rounds: list[list[LiveRun]] = field(default_factory=list)  # every round, each in `runs` order
 
     @property
     def service_s(self) -> float:
@@ -353,7 +354,7 @@ class LiveExperiment:
 def run_experiment(services: dict[str, LiveService], text_ids: Sequence[int], count: int, *,
                    target_s: float = SOURCE_SERVICE_S, warmups: int = 4, stale_warmups: int = 10,
                    stale_prompt_tokens: int = 1, give_up_factor: float = 1.3,
-                   prompt_tokens: int = 16, seed: int = 0) -> LiveExperiment:
+                   prompt_tokens: int = 16, seed: int = 0, rounds: int = 1) -> LiveExperiment:
     """The chapter's live experiment on `services` (one per policy, from `live_services`):
 
     1. calibrate on the first: engine seconds at 2, 6 and 10 answer tokens; choose the
@@ -361,7 +362,10 @@ def run_experiment(services: dict[str, LiveService], text_ids: Sequence[int], co
     2. warm each service up with `warmups` such requests (its estimator learns), and shape the
        workload around their median time (:func:`source_shaped_workload`);
     3. run each policy; give up at `give_up_factor` x the workload's total work + the deadline
-       (an unbounded queue would otherwise drain for as long as it took to fill);
+       (an unbounded queue would otherwise drain for as long as it took to fill). With
+       `rounds` > 1 the policies run again, in reverse order every second round (A B C D,
+       D C B A, ...), so that a drift of the machine's speed over the runs favours no policy
+       on the whole; `runs` is the first round, `rounds` all of them;
     4. teach admit-by-estimate on `stale_warmups` requests of `stale_prompt_tokens` prompt
        tokens (a step's fixed cost spread over few tokens: too many seconds per prompt token)
        and run the workload again.
@@ -377,7 +381,15 @@ def run_experiment(services: dict[str, LiveService], text_ids: Sequence[int], co
     workload = source_shaped_workload(service, count, max_tokens, seed=seed, prompt_tokens=prompt_tokens)
     prompts = workload.prompts(text_ids)
     give_up = give_up_factor * workload.count * service + workload.deadline_s
-    runs = [services[p].run(workload, prompts, give_up) for p in policies]
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
+    every = []
+    for r in range(rounds):
+        label = (lambda p: p) if r == 0 else (lambda p: f"{p}, round {r + 1}")
+        ran = {p: services[p].run(workload, prompts, give_up, label=label(p))
+               for p in (policies if r % 2 == 0 else policies[::-1])}
+        every.append([ran[p] for p in policies])
+    runs = every[0]
     stale = None
     estimates = [math.nan, math.nan]
     if "admit-by-estimate" in services:
@@ -389,7 +401,58 @@ def run_experiment(services: dict[str, LiveService], text_ids: Sequence[int], co
             prompt_tokens, max_tokens)
         stale = service.run(workload, prompts, give_up, label="admit-by-estimate, stale")
     return LiveExperiment(calibration, workload, warm, runs, stale,
-                          (stale_warmups, stale_prompt_tokens, max_tokens), *estimates)
+                          (stale_warmups, stale_prompt_tokens, max_tokens), *estimates, every)
+
+
+def order_across_rounds(rounds: Sequence[Sequence[LiveRun]]) -> dict:
+    """How the policies ranked by requests answered in time, round by round: `in_time`
+    (policy -> its count in each round), `agreed` (pairs (a, b) where a answered more in
+    time than b in every round) and `disputed` (pairs the rounds ordered differently, or
+    tied in one)."""
+    in_time = {run.policy: [] for run in rounds[0]}
+    for runs in rounds:
+        for run in runs:
+            in_time[run.policy].append(run.counts()["in_time"])
+    agreed, disputed = [], []
+    names = list(in_time)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            signs = {(x > y) - (x < y) for x, y in zip(in_time[a], in_time[b])}
+            if signs == {1}:
+                agreed.append((a, b))
+            elif signs == {-1}:
+                agreed.append((b, a))
+            else:
+                disputed.append((a, b))
+    return {"in_time": in_time, "agreed": agreed, "disputed": disputed}
+
+
+def source_order_phrase(rounds: Sequence[Sequence[LiveRun]]) -> str:
+    """Whether each round's answers in time rise in `POLICIES` order, as the source's do
+    (unbounded fewest, admit-by-estimate most): a sentence for one round or several."""
+    same = [[r.counts()["in_time"] for r in runs] == sorted(r.counts()["in_time"] for r in runs)
+            for runs in rounds]
+    every = "" if len(rounds) == 1 else " in every round"
+    if all(same):
+        return "The order of the four is the source's" + every
+    if not any(same):
+        return "The order of the four differs from the source's" + every
+    which = ", ".join(str(i + 1) for i, s in enumerate(same) if s)
+    return f"The order of the four is the source's in round {which} but not in the others"
+
+
+def rounds_phrase(order: dict) -> str:
+    """`order_across_rounds` in a sentence that claims only what every round showed."""
+    rounds = len(next(iter(order["in_time"].values())))
+    if rounds == 1:
+        return "With one round, the order of the policies is this run's alone."
+    if not order["disputed"]:
+        return f"All {rounds} rounds put the policies in the same order."
+    pairs = "; ".join(f"{a} against {b}" for a, b in order["disputed"])
+    return (f"The {rounds} rounds agreed on {len(order['agreed'])} of the "
+            f"{len(order['agreed']) + len(order['disputed'])} pairs of policies and ordered "
+            f"these differently: {pairs}. Those differences are within what the machine's "
+            "drift between runs can do, not a ranking of the policies.")
 
 
 # -- the simulator on the live workload ---------------------------------------------------------------

@@ -31,7 +31,8 @@ from labkit.bench.http_load import HttpRecord, percentiles, run_closed_loop
 from labkit.engine.core import AddRequest, EngineCore, StreamEnd
 from labkit.engine.llm_engine import TokenEvent
 from labkit.experiments.streaming import (MODEL, SocketOptions, SocketStream, StreamOutcome, accepted_socket,
-                                          completion_body, dechunk, read_slowly, sse_outcome, socket_queues)
+                                          completion_body, dechunk, limit_transport, read_slowly, sse_outcome,
+                                          socket_queues)
 from labkit.sampling import SamplingParams
 from labkit.util.threads import run_in_thread
 
@@ -164,7 +165,8 @@ def _sample_buffers(client: RecordingClient, prompt, stream: SocketStream, serve
 def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_prompts: list[list[int]],
                max_tokens: int, *, others_after: int = 0, max_buffered: int = 16, read_bytes: int = 32,
                every_s: float = 1.0, options: SocketOptions = SocketOptions(), interval: float = 0.005,
-               model: str = MODEL, timeout_s: float = 900.0) -> PolicyRun:
+               transport_limits: tuple[int, int] | None = None, model: str = MODEL,
+               timeout_s: float = 900.0) -> PolicyRun:
     """One run of the service (engine in this process, `BackgroundServer`) with `--slow-reader
     policy` and `--max-buffered-events max_buffered`: a raw-socket client asks for
     `max_tokens` tokens and reads `read_bytes` every `every_s` seconds. Once the engine has
@@ -174,7 +176,10 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
     gaps are measured while the policy acts. Once the others are done and the engine has
     finished with (or cut off) the slow request, the slow client reads the rest at once, so
     its whole outcome is known. Policy "none" is the control: the same requests, the slow
-    client reading at full speed."""
+    client reading at full speed. `transport_limits` (low, high) replaces the write-buffer
+    marks of the slow stream's connection (`limit_transport`): smaller marks make the
+    per-stream buffer fill after fewer tokens (a short run), the defaults are what uvicorn
+    does."""
     if not 0 <= others_after < max_tokens:
         raise ValueError("others_after must be at least 0 and less than max_tokens")
     from labkit.serve.app import ServeSettings, build_app
@@ -195,6 +200,8 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
                                    args=(client, slow_prompt, stream, server, start, stop, samples, interval))
         reader = threading.Thread(target=read_slowly, args=(stream, read_bytes, every_s, drain, timeout_s))
         stream.open()
+        if transport_limits is not None and not limit_transport(server, stream.local_port, *transport_limits):
+            raise RuntimeError("the slow stream's connection did not appear on the server")
         sampler.start()
         reader.start()
         while client.stream_of(slow_prompt) is None and time.perf_counter() - start < 60:

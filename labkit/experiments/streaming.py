@@ -374,6 +374,23 @@ def accepted_socket(server, client_port: int) -> int | None:
     return None
 
 
+def limit_transport(server, client_port: int, low: int, high: int, timeout_s: float = 10.0) -> bool:
+    """Give the connection a `BackgroundServer` accepted from the client socket at
+    `client_port` the write-buffer marks (low, high) instead of asyncio's defaults, so that
+    uvicorn pauses that response once `high` bytes wait in its transport. The call runs on
+    the server's event loop. False if no such connection appeared within `timeout_s`."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        for c in _open_connections(server):
+            peer = c.transport.get_extra_info("peername")
+            if peer and peer[1] == client_port:
+                loop = server.server.servers[0].get_loop()
+                loop.call_soon_threadsafe(c.transport.set_write_buffer_limits, high, low)
+                return True
+        time.sleep(0.002)
+    return False
+
+
 def accepted_socket_nodelay(server) -> list[int]:
     """TCP_NODELAY of each connection a `BackgroundServer` holds open (0: Nagle on)."""
     return [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)

@@ -1,12 +1,17 @@
 """The engine in its own process, and the front end's handle on it.
 
     front end (uvicorn's event loop)                     engine worker (its own process)
-    WorkerEngine.submit --AddRequest/AbortRequest--> PULL  commands -> EngineCore.run_once()
+    WorkerEngine.submit --AddRequest/AbortRequest--> PULL  a receiving thread stamps each
+                                                           command's arrival -> inbox
+                                                           the loop: inbox -> EngineCore.run_once()
     ResultStream.put   <--Batch(items, stats)------- PUSH  every step's events and ends
 
 The two talk over a pair of pyzmq sockets on a private IPC path; messages are pickled
 dataclasses. The worker owns the model and the step loop and never waits for a client: it
-sends each step's events and goes on. The front end owns sockets, validation and the
+sends each step's events and goes on. Its loop reads commands between steps; a thread that
+does nothing but receive them notes when each one arrived, so that a request's arrival time
+is when it reached the worker, and the wait for the step in progress is counted as queueing
+(Server-Timing's `queue`), not as the way to the engine (`to-engine`). The front end owns sockets, validation and the
 streams' buffers.
 
 If the worker dies, the front end notices within `poll_interval` seconds, ends the streams
@@ -24,11 +29,13 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
@@ -97,6 +104,22 @@ class _Outbox:
         self.items.append((self.request_id, item))
 
 
+def _receive(commands, inbox: queue.SimpleQueue, stop: threading.Event, clock) -> None:
+    """The worker's receiving thread: every command goes into `inbox` with the time it
+    arrived. It touches nothing else (the engine core stays with the loop's thread); it
+    ends with a Shutdown, or when the loop sets `stop`."""
+    try:
+        while not stop.is_set():
+            if commands.poll(100):
+                message = commands.recv_pyobj()
+                inbox.put((clock(), message))
+                if isinstance(message, Shutdown):
+                    return
+    except Exception:  # a worker that cannot hear commands must end, so the front end restarts it
+        log.exception("the engine worker's receiving thread failed")
+        inbox.put((clock(), Shutdown()))
+
+
 def worker_main(spec: WorkerSpec, command_address: str, event_address: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the worker stops
     parent = os.getppid()
@@ -106,35 +129,46 @@ def worker_main(spec: WorkerSpec, command_address: str, event_address: str) -> N
     commands.connect(command_address)
     events = context.socket(zmq.PUSH)
     events.connect(event_address)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+    receiver = threading.Thread(target=_receive, args=(commands, inbox, stop, core.engine.clock),
+                                name="labkit-worker-receive", daemon=True)
+    receiver.start()
     events.send_pyobj(Ready(core.engine.limits, os.getpid()))
     outbox: list[tuple[str, TokenEvent | StreamEnd]] = []
     sent_stats = None
     try:
         while True:
             busy = core.engine.has_unfinished()
-            if commands.poll(0 if busy else 100):
-                while True:
+            try:
+                item = inbox.get_nowait() if busy else inbox.get(timeout=0.1)
+            except queue.Empty:
+                item = None
+                if not busy and os.getppid() != parent:
+                    return  # the front end is gone; nobody will read our events
+            while item is not None:
+                arrived, message = item
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, AddRequest):
                     try:
-                        message = commands.recv_pyobj(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if isinstance(message, Shutdown):
-                        return
-                    if isinstance(message, AddRequest):
-                        try:
-                            core.submit(message, _Outbox(outbox, message.request_id))
-                        except ValueError as error:
-                            outbox.append((message.request_id, StreamEnd(None, ValueError(str(error)))))
-                    elif isinstance(message, AbortRequest):
-                        core.abort(message.request_id)
-            elif os.getppid() != parent:
-                return  # the front end is gone; nobody will read our events
+                        core.submit(replace(message, arrival_time=arrived), _Outbox(outbox, message.request_id))
+                    except ValueError as error:
+                        outbox.append((message.request_id, StreamEnd(None, ValueError(str(error)))))
+                elif isinstance(message, AbortRequest):
+                    core.abort(message.request_id)
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    item = None
             core.run_once()
             if outbox or core.stats != sent_stats:
                 events.send_pyobj(Batch(list(outbox), core.stats))
                 outbox.clear()
                 sent_stats = core.stats
     finally:
+        stop.set()
+        receiver.join(5)
         commands.close(linger=0)
         events.close(linger=0)
         context.term()
