@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 PROFILE ?= full
 
-.PHONY: env model book reproduce test test-unit test-notebooks clean freeze
+.PHONY: env model book reproduce test test-unit test-notebooks peers clean freeze
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 env: $(STAMP)
+
+# Optional peer engines for `labkit bench lowbit` (not needed by the book or the tests):
+# llama.cpp through llama-cpp-python, compiled from source for this CPU (several minutes).
+peers: env
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[llamacpp]"
 
 model: env
 	$(BIN)/labkit model fetch $(MODEL)

@@ -37,6 +37,13 @@ def _cmd_generate(args) -> int:
         print(f"labkit generate: {exc}", file=sys.stderr)
         return 2
     model = load_model(args.model)
+    if args.weights != "f32":
+        from labkit.engine.backends import backend_for
+        try:
+            model = backend_for(True, args.weights).prepare(model)
+        except ValueError as exc:
+            print(f"labkit generate: {exc}", file=sys.stderr)
+            return 2
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     if stream:
         print(args.prompt, end="", flush=True) if not args.chat else None
@@ -156,6 +163,8 @@ def _cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from labkit.engine.backends import WEIGHTS
+
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -173,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--model", default="smollm2-135m")
     gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--weights", choices=WEIGHTS, default="f32",
+                     help="f32, or the model file's own blocks (gguf; gguf-int8 also rounds "
+                          "activations to 8 bits)")
     gen.set_defaults(func=_cmd_generate)
 
     model = sub.add_parser("model", help="fetch, describe or list models")

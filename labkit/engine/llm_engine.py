@@ -39,6 +39,8 @@ class EngineConfig:
     prefix_caching: bool = True
     fast_kernels: bool = True          # oneDNN-packed weights, labkit's C kernels (where they
                                        # build); False: F.linear and gather + SDPA
+    weights: str = "f32"               # backends.WEIGHTS; "gguf", "gguf-int8": matrices read in
+                                       # the model file's own blocks
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     backend: Backend | None = None     # overrides fast_kernels (labkit.engine.backends)
     transition_log: int = 10_000       # the state changes kept in `transitions` (the newest)
@@ -138,7 +140,7 @@ class LLMEngine:
         c = self.config
         if c.num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
-        self.backend = c.backend or backend_for(c.fast_kernels)
+        self.backend = c.backend or backend_for(c.fast_kernels, c.weights)
         self.model = self.backend.prepare(model)
         self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)

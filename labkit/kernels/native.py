@@ -1,5 +1,5 @@
-"""Two kernels written in C and compiled on the reader's machine: a matrix-vector product
-for decode, and paged attention for every step.
+"""Kernels written in C and compiled on the reader's machine: a matrix-vector product for
+decode, paged attention for every step, and products on the model file's quantized blocks.
 
 **gemv.** Decoding one token multiplies one activation row by every weight matrix, reading
 each weight exactly once: the step is bound by how fast the kernel streams weights from
@@ -27,8 +27,14 @@ shapes take plain loops. Decode is the one-row tile (`paged_decode_attention`).
 `labkit.engine`'s reference path (gather the blocks; SDPA) computes the same numbers, and
 the tests hold one to the other.
 
-The C source of both is `labkit/kernels/csrc/labkit_kernels.c`, shipped with the package
-as data and read with `importlib.resources` (so it is found in a checkout and in an
+**gemv_blocks.** The matrix-vector product with the weights left in the GGUF file's Q4_1 or
+Q8_0 blocks (32 weights with a 16-bit scale, and Q4_1's minimum), converted in registers:
+with x in float32 it is the float32 product to rounding; with x rounded to 8 bits a block
+it multiplies bytes by bytes as llama.cpp does (`csrc/gguf_blocks.c` explains both;
+`labkit.kernels.gguf_blocks` puts them in the model).
+
+The C sources are `labkit/kernels/csrc/labkit_kernels.c` and `gguf_blocks.c`, shipped with
+the package as data and read with `importlib.resources` (so it is found in a checkout and in an
 installed wheel alike). They are compiled once with the system C compiler (`$CC`, default
 `cc`) into `$LABKIT_CACHE/kernels/` and loaded with ctypes; the library's file name
 carries a digest of the source text and the compile flags, so an edited source is rebuilt.
@@ -51,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE_FILE = "labkit_kernels.c"  # in the package's csrc/ folder, shipped as package data
+SOURCE_FILES = ("labkit_kernels.c", "gguf_blocks.c")  # in the package's csrc/ folder, as data
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 4  # beyond a few rows a blocked GEMM (oneDNN, MKL) reuses weights better
 
@@ -59,24 +65,48 @@ _state: dict = {}
 _SIGNATURES = {
     "labkit_gemv": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
     "labkit_paged_attention": [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float],
+    **{f"labkit_gemv_{kind}{x}": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+       for kind in ("q4_1", "q8_0") for x in ("", "_q8")},
 }
+# GGUF block formats the kernels read in place: weights per block, bytes per block.
+BLOCK_FORMATS = {"Q4_1": (32, 20), "Q8_0": (32, 34)}
 
 
-def _read_source() -> str:
-    """The C source, read from the installed package (a checkout or a wheel alike)."""
-    return (resources.files("labkit.kernels") / "csrc" / SOURCE_FILE).read_text(encoding="utf-8")
+def _read_sources() -> dict[str, str]:
+    """The C sources, read from the installed package (a checkout or a wheel alike)."""
+    folder = resources.files("labkit.kernels") / "csrc"
+    return {name: (folder / name).read_text(encoding="utf-8") for name in SOURCE_FILES}
 
 
-def _build(target: Path, text: str) -> None:
+def compile_library(folder: Path, flags: tuple[str, ...] = FLAGS):
+    """Compile the sources with `flags` into `folder` (once per source text and flags) and
+    load the library (ctypes). RuntimeError where no compiler is found or the build fails."""
+    sources = _read_sources()
+    # an edited source or other flags: another digest, a fresh build
+    digest = hashlib.sha256((" ".join(flags) + "".join(sources.values())).encode()).hexdigest()[:16]
+    target = Path(folder) / f"labkit_kernels-{digest}.so"
+    if not target.exists():
+        _build(target, sources, flags)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _build(target: Path, sources: dict[str, str], flags: tuple[str, ...]) -> None:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        # compile a copy of exactly the text the digest was taken of
-        source, built = Path(tmp) / SOURCE_FILE, Path(tmp) / target.name
-        source.write_text(text, encoding="utf-8")
-        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)],
+        # compile a copy of exactly the texts the digest was taken of
+        paths = []
+        for name, text in sources.items():
+            paths.append(Path(tmp) / name)
+            paths[-1].write_text(text, encoding="utf-8")
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, *map(str, paths), "-o", str(built)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
@@ -90,16 +120,7 @@ def load():
         try:
             if os.environ.get("LABKIT_NATIVE", "1") == "0":
                 raise RuntimeError("switched off by LABKIT_NATIVE=0")
-            text = _read_source()  # an edited source or other flags: another digest, a fresh build
-            digest = hashlib.sha256((text + " ".join(FLAGS)).encode()).hexdigest()[:16]
-            target = cache_root() / "kernels" / f"labkit_kernels-{digest}.so"
-            if not target.exists():
-                _build(target, text)
-            lib = ctypes.CDLL(str(target))
-            for name, argtypes in _SIGNATURES.items():
-                getattr(lib, name).argtypes = argtypes
-                getattr(lib, name).restype = None
-            _state["lib"], _state["why"] = lib, None
+            _state["lib"], _state["why"] = compile_library(cache_root() / "kernels"), None
         except (OSError, RuntimeError) as error:
             _state["lib"], _state["why"] = None, str(error)
     return _state["lib"]
@@ -121,6 +142,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty(*x.shape[:-1], out, dtype=torch.float32)
     lib.labkit_gemv(weight.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // n, out, n)
+    return y
+
+
+def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bool = False,
+                lib=None) -> torch.Tensor:
+    """x W^T where W is stored as GGUF blocks of `kind` ("Q4_1" or "Q8_0"): `blocks` is
+    uint8 [out, n / 32 * bytes per block], each row the file's blocks of one output; x is
+    float32 [..., n]. The weights are never expanded to floats in memory. `quantize_x`
+    rounds x to 8 bits per block of 32 first and multiplies bytes by bytes (llama.cpp's
+    scheme: faster, less exact); otherwise x stays float32. `lib`: another build of the
+    kernels (`compile_library`), for tests."""
+    lib = lib or _require()
+    if kind not in BLOCK_FORMATS:
+        raise ValueError(f"no kernel for {kind!r} blocks (have {sorted(BLOCK_FORMATS)})")
+    per_block, block_bytes = BLOCK_FORMATS[kind]
+    out, row_bytes = blocks.shape
+    n = row_bytes // block_bytes * per_block
+    if blocks.dtype != torch.uint8 or row_bytes % block_bytes or x.dtype != torch.float32 \
+            or x.device.type != "cpu" or blocks.device.type != "cpu":
+        raise ValueError(f"{kind} blocks are uint8 rows of whole blocks, x float32, on the CPU")
+    if x.shape[-1] != n:
+        raise ValueError(f"x has {x.shape[-1]} features, the blocks hold {n}")
+    x, blocks = x.contiguous(), blocks.contiguous()
+    y = torch.empty(*x.shape[:-1], out, dtype=torch.float32)
+    kernel = getattr(lib, f"labkit_gemv_{kind.lower()}{'_q8' if quantize_x else ''}")
+    kernel(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // n, out, n)
     return y
 
 

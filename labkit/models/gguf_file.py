@@ -173,6 +173,25 @@ def dequantized_state_dict(reader, config: LlamaConfig) -> dict[str, np.ndarray]
     return state
 
 
+def raw_blocks(reader, config: LlamaConfig) -> dict[str, tuple[str, np.ndarray]]:
+    """Every quantized tensor of the file as the file stores it, in Hugging Face names:
+    name -> (quantization type, uint8 array [rows, bytes per row]). A row's blocks cover
+    consecutive inputs, so the rows of `attn_q` and `attn_k` are put back in Hugging Face
+    order (the permutation `dequantized_state_dict` undoes) by moving whole rows: the same
+    weights as the float32 state dict, still in their blocks. Float tensors are left out."""
+    out = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            continue
+        data = np.array(t.data, dtype=np.uint8)  # a copy: the reader's arrays map the file read-only
+        if ".attn_q." in t.name or ".attn_k." in t.name:
+            heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            data = data[unpermute_rope_rows(np.arange(data.shape[0]), heads)]
+        out[hf_name(t.name)] = (kind, np.ascontiguousarray(data))
+    return out
+
+
 def byte_accounting(path: str | Path, reader=None) -> dict:
     """Account for every byte of a GGUF file; the parts add up to the file size exactly.
 

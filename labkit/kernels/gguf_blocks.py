@@ -1,0 +1,138 @@
+"""The model's matrices multiplied in the GGUF file's own blocks.
+
+The model file stores every layer matrix as Q4_1 blocks (32 weights: a 16-bit step, a 16-bit
+minimum and 4 bits a weight, 5 bits a weight in all) and the tied embedding / LM head as Q8_0
+(8 bits a weight and a 16-bit scale per 32). The float32 weights the rest of labkit uses are
+these blocks dequantized once (`labkit.models.gguf_file`). A decode step reads every weight
+once, so it is bound by the bytes it reads: 538 MB a token in float32, 96 MB in the file's
+blocks (5.6 times fewer). `block_model` gives the engine a copy of the model whose matrices
+read the blocks in place for a step of a few rows (labkit's C kernels, `native.gemv_blocks`)
+and multiply larger steps (prefill, big batches) by the oneDNN-packed float32 weights: the
+same numbers, since the float32 weights are exactly the blocks' values; only the order of
+the sums differs. With `quantize_x` the kernels also round the activations to 8 bits a
+block (llama.cpp's scheme), and the float32 path rounds them the same way.
+
+`dequantize` is a plain PyTorch reading of both formats, which the tests hold to `gguf`'s
+reference dequantization and the kernels to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.kernels import native
+from labkit.kernels.packed import pack_model
+from labkit.models.llama import MATRICES, shallow_copy
+
+# GGUF tensor names (after `gguf_file.hf_name`) of each fused matrix of a layer, in the
+# order `LayerWeights` concatenates their rows.
+FUSED_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "o_proj": ("self_attn.o_proj",),
+               "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+               "down": ("mlp.down_proj",)}
+
+
+def dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [out, n] from uint8 blocks [out, row bytes] of `kind` (Q4_1 or Q8_0)."""
+    per_block, block_bytes = native.BLOCK_FORMATS[kind]
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, block_bytes)
+    scale = b[..., 0:2].contiguous().view(torch.float16).float()  # [out, blocks, 1]
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (scale * q).reshape(out, -1)
+    low = b[..., 2:4].contiguous().view(torch.float16).float()
+    nibbles = b[..., 4:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # weights 0..15, then 16..31
+    return (scale * q + low).reshape(out, -1)
+
+
+def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 kernels see it, in float32: each block of 32 values scaled by
+    max |x| / 127 and rounded to whole steps (halves away from zero).
+
+    The two paths then agree to float32's last bits, but not always in the tokens: a value
+    a last bit away from a half step rounds the other way, a whole step's difference that
+    the layers above carry on. So in "gguf-int8" a request's tokens can depend on the batch
+    it ran in (as in llama.cpp); the float32-activation modes do not have this."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    scaled = blocks * inverse
+    return (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5) * step).reshape(x.shape)
+
+
+class BlockLinear(torch.nn.Module):
+    """x W^T with W kept as GGUF blocks: up to `max_rows` rows of x read the blocks in place
+    (C kernel; `quantize_x` rounds x to 8 bits a block first); more rows go to `dense`, a
+    module computing the same product on float32 weights."""
+
+    def __init__(self, kind: str, blocks: torch.Tensor, dense: torch.nn.Module | torch.Tensor,
+                 quantize_x: bool = False, max_rows: int = native.MAX_ROWS):
+        super().__init__()
+        if kind not in native.BLOCK_FORMATS:
+            raise ValueError(f"no kernel for {kind!r} blocks")
+        self.kind, self.blocks, self.dense = kind, blocks.contiguous(), dense
+        self.quantize_x, self.max_rows = quantize_x, max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype == torch.float32 and x.numel() <= self.max_rows * x.shape[-1]
+                and native.load() is not None):
+            return native.gemv_blocks(x, self.blocks, self.kind, self.quantize_x)
+        if self.quantize_x:  # the same rounding on every path: one model, whatever the batch
+            x = round_to_int8_blocks(x)
+        dense = self.dense
+        return dense(x) if isinstance(dense, torch.nn.Module) else torch.nn.functional.linear(x, dense)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: the blocks."""
+        return self.blocks.numel()
+
+    @property
+    def shape(self) -> torch.Size:
+        per_block, block_bytes = native.BLOCK_FORMATS[self.kind]
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // block_bytes * per_block))
+
+
+def fused_blocks(raw: dict[str, tuple[str, object]], layer: int, matrix: str) -> tuple[str, torch.Tensor]:
+    """One fused matrix of a layer (`MATRICES`) from `gguf_file.raw_blocks`: its parts' rows
+    one after another, as `LayerWeights` fuses the float32 ones."""
+    parts = [raw[f"model.layers.{layer}.{name}.weight"] for name in FUSED_PARTS[matrix]]
+    kinds = {kind for kind, _ in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"layer {layer} {matrix}: parts in different formats {sorted(kinds)}")
+    return kinds.pop(), torch.cat([torch.from_numpy(data) for _, data in parts])
+
+
+def block_model(model, raw: dict[str, tuple[str, object]], quantize_x: bool = False,
+                max_rows: int = native.MAX_ROWS):
+    """A copy of `model` (a `Llama` whose float32 weights are the file's blocks dequantized)
+    whose layer matrices and LM head are `BlockLinear`s over the file's blocks (steps of up
+    to `max_rows` rows; `quantize_x`: x rounded to 8 bits), with the oneDNN-packed float32
+    weights (`pack_model`) for steps of more rows. Raises ValueError when a matrix is in a
+    format without a kernel or its blocks do not match its shape."""
+    def linear(kind, blocks, dense):
+        return BlockLinear(kind, blocks, dense, quantize_x, max_rows)
+
+    dense = pack_model(model, native_gemv=False)
+    out = shallow_copy(dense)
+    layers = []
+    for index, layer in enumerate(dense.layers):
+        swapped = {}
+        for matrix in MATRICES:
+            kind, blocks = fused_blocks(raw, index, matrix)
+            swapped[matrix] = _checked(linear(kind, blocks, getattr(layer, matrix)),
+                                       getattr(model.layers[index], matrix).shape, f"layer {index} {matrix}")
+        layers.append(layer.replaced(**swapped))
+    out.layers = layers
+    head = "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"  # tied
+    kind, data = raw[head]
+    out.lm_head = _checked(linear(kind, torch.from_numpy(data), dense.lm_head), model.lm_head.shape, "LM head")
+    return out
+
+
+def _checked(linear: BlockLinear, shape: torch.Size, what: str) -> BlockLinear:
+    if linear.shape != shape:
+        raise ValueError(f"{what}: blocks hold {tuple(linear.shape)}, the weight is {tuple(shape)}")
+    return linear

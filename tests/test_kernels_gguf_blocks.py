@@ -1,0 +1,182 @@
+"""labkit.kernels.gguf_blocks and the block kernels of labkit.kernels.native: the model's
+matrices multiplied in the GGUF file's own Q4_1 / Q8_0 blocks, held to `gguf`'s reference
+dequantization and to float32 products."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.engine.backends import GGUFBackend, backend_for
+from labkit.engine.llm_engine import EngineConfig, LLMEngine
+from labkit.kernels import gguf_blocks as gb
+from labkit.kernels import native
+from labkit.models import registry
+from labkit.models.gguf_file import open_reader, raw_blocks
+from labkit.sampling import SamplingParams
+
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+KINDS = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(kind: str, out: int, n: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Blocks that `gguf` itself quantized from random weights, and `gguf`'s dequantization."""
+    weights = np.random.default_rng(seed).standard_normal((out, n)).astype(np.float32)
+    blocks = gguf.quants.quantize(weights, KINDS[kind])
+    return torch.from_numpy(np.ascontiguousarray(blocks)), gguf.quants.dequantize(blocks, KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_dequantize_equals_ggufs_reference(kind):
+    blocks, reference = random_blocks(kind, 24, 128)
+    assert torch.equal(gb.dequantize(kind, blocks), torch.from_numpy(reference.reshape(24, 128)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_the_block_kernel_computes_the_float_product(kind, rows):
+    blocks, reference = random_blocks(kind, 96, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    want = F.linear(x, torch.from_numpy(reference.reshape(96, 576)))
+    torch.testing.assert_close(native.gemv_blocks(x, blocks, kind), want, rtol=1e-5, atol=1e-4)
+
+
+def int8_product(x: torch.Tensor, kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's scheme written out in PyTorch, apart from the kernels: x rounded per block
+    of 32 to bytes (scale max |x| / 127, halves rounded away from zero), integer dot products
+    with the weights' 4- or 8-bit values, then the scales (and Q4_1's minimum)."""
+    per_block, block_bytes = native.BLOCK_FORMATS[kind]
+    out = blocks.shape[0]
+    xb = x.double().reshape(x.shape[0], -1, per_block)                       # [rows, nb, 32]
+    dx = xb.abs().amax(-1, keepdim=True).float().double() / 127
+    v = xb / torch.where(dx > 0, dx, 1)
+    qx = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    b = blocks.reshape(out, -1, block_bytes)
+    d = b[..., 0:2].contiguous().view(torch.float16).double()                # [out, nb, 1]
+    if kind == "Q8_0":
+        qw = b[..., 2:].contiguous().view(torch.int8).double()
+        return torch.einsum("rbj,obj,rb,ob->ro", qx, qw, dx[..., 0], d[..., 0]).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).double()
+    qw = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).double()
+    scaled = torch.einsum("rbj,obj,rb,ob->ro", qx, qw, dx[..., 0], d[..., 0])
+    return (scaled + torch.einsum("rb,ob->ro", dx[..., 0] * qx.sum(-1), m[..., 0])).float()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_the_int8_kernel_computes_llama_cpps_scheme(kind, rows):
+    blocks, reference = random_blocks(kind, 96, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    got = native.gemv_blocks(x, blocks, kind, quantize_x=True)
+    torch.testing.assert_close(got, int8_product(x, kind, blocks), rtol=1e-5, atol=1e-4)
+    exact = F.linear(x, torch.from_numpy(reference.reshape(96, 576)))
+    assert (got - exact).abs().max() > 1e-3  # x really was rounded: not the float32 product
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_the_portable_build_computes_the_same(tmp_path):
+    """The plain C loops that replace the AVX2 ones on other CPUs, built here without AVX2."""
+    lib = native.compile_library(tmp_path, ("-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC"))
+    for kind in KINDS:
+        blocks, reference = random_blocks(kind, 40, 256, seed=7)
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(7))
+        want = F.linear(x, torch.from_numpy(reference.reshape(40, 256)))
+        torch.testing.assert_close(native.gemv_blocks(x, blocks, kind, lib=lib), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(native.gemv_blocks(x, blocks, kind, True, lib=lib), int8_product(x, kind, blocks),
+                                   rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_the_block_kernel_refuses_what_it_cannot_read():
+    blocks, _ = random_blocks("Q4_1", 8, 64)
+    with pytest.raises(ValueError):
+        native.gemv_blocks(torch.randn(1, 32), blocks, "Q4_1")  # 64 inputs, not 32
+    with pytest.raises(ValueError):
+        native.gemv_blocks(torch.randn(1, 64), blocks, "Q5_K")
+    with pytest.raises(ValueError):
+        native.gemv_blocks(torch.randn(1, 64).double(), blocks, "Q4_1")
+
+
+@pytest.fixture(scope="module")
+def blocks_of_the_file(model):
+    return raw_blocks(open_reader(registry.fetch(model.name)), model.config)
+
+
+def test_the_files_blocks_are_the_models_weights_exactly(model, blocks_of_the_file):
+    """Fused and with the Q/K rows put back in Hugging Face order, the blocks dequantize to
+    the float32 weights the model was loaded with, bit for bit."""
+    for index in (0, model.config.num_layers - 1):
+        for matrix in ("qkv", "o_proj", "gate_up", "down"):
+            kind, blocks = gb.fused_blocks(blocks_of_the_file, index, matrix)
+            assert kind == "Q4_1"
+            assert torch.equal(gb.dequantize(kind, blocks), getattr(model.layers[index], matrix))
+    kind, head = blocks_of_the_file["model.embed_tokens.weight"]
+    assert kind == "Q8_0" and torch.equal(gb.dequantize(kind, torch.from_numpy(head)), model.lm_head)
+
+
+@needs_kernels
+def test_the_block_model_gives_the_models_logits(model, blocks_of_the_file):
+    blocked = gb.block_model(model, blocks_of_the_file)
+    assert isinstance(blocked.layers[0].qkv, gb.BlockLinear) and isinstance(blocked.lm_head, gb.BlockLinear)
+    ids = torch.tensor([model.tokenizer.encode("The capital of France is")])
+    torch.testing.assert_close(blocked(ids), model(ids), rtol=0, atol=1e-3)  # prefill: the dense path
+    x = torch.randn(2, model.config.hidden_size)
+    torch.testing.assert_close(blocked.lm_head(x), F.linear(x, model.lm_head), rtol=1e-5, atol=1e-4)
+    read = sum(getattr(layer, m).nbytes for layer in blocked.layers for m in ("qkv", "o_proj", "gate_up", "down"))
+    assert 5 * (read + blocked.lm_head.nbytes) < 4 * model.num_parameters()  # under a fifth of float32's
+
+
+@needs_kernels
+def test_gguf_weights_keep_the_greedy_tokens_of_float32(model):
+    prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
+               "An inference engine takes a trained model and a request, and it must"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {w: LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights=w)).generate(prompts, greedy)
+               for w in ("f32", "gguf")}
+    for f32, blocks in zip(outputs["f32"], outputs["gguf"]):
+        assert blocks.samples[0].token_ids == f32.samples[0].token_ids
+
+
+@needs_kernels
+def test_decode_logits_on_the_blocks_stay_within_1e_3_of_float32(model, blocks_of_the_file):
+    """One token at a time (the steps that read the blocks), the float32-activation kernels
+    keep every logit within 1e-3 of the float32 model's; rounding x to 8 bits does not."""
+    ids = model.tokenizer.encode("An inference engine takes a trained model and a request")
+    exact, rounded = gb.block_model(model, blocks_of_the_file), gb.block_model(model, blocks_of_the_file, True)
+    caches = {name: m.new_cache(batch=1, max_len=len(ids)) for name, m in
+              (("f32", model), ("exact", exact), ("rounded", rounded))}
+    worst = {"exact": 0.0, "rounded": 0.0}
+    for i in range(len(ids)):
+        step = torch.tensor([[ids[i]]])
+        want = model(step, cache=caches["f32"])[0, -1]
+        for name, m in (("exact", exact), ("rounded", rounded)):
+            worst[name] = max(worst[name], (m(step, cache=caches[name])[0, -1] - want).abs().max().item())
+    assert worst["exact"] < 1e-3 < worst["rounded"]
+
+
+def test_weights_are_checked(model, monkeypatch):
+    with pytest.raises(ValueError):
+        backend_for(True, "int3")
+    with pytest.raises(ValueError):
+        backend_for(False, "gguf")  # the reference path is float32 only
+    monkeypatch.setattr(native, "load", lambda: None)
+    with pytest.raises(ValueError, match="C kernels"):
+        GGUFBackend().prepare(model)
+
+
+@needs_kernels
+def test_rounded_activations_give_the_same_product_on_both_paths():
+    """Beyond a few rows gguf-int8 multiplies float32 weights by x rounded the kernels' way,
+    so a request's numbers do not depend on how many others share its step."""
+    blocks, reference = random_blocks("Q4_1", 64, 256, seed=3)
+    linear = gb.BlockLinear("Q4_1", blocks, torch.from_numpy(reference.reshape(64, 256)), quantize_x=True)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    many = linear(x)  # 9 rows: the float32 path
+    few = torch.cat([linear(x[i:i + 3]) for i in range(0, 9, 3)])  # 3 rows at a time: the kernel
+    torch.testing.assert_close(many, few, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(many, int8_product(x, "Q4_1", blocks), rtol=1e-5, atol=1e-4)
+
