@@ -180,3 +180,58 @@ def test_rounded_activations_give_the_same_product_on_both_paths():
     torch.testing.assert_close(many, few, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(many, int8_product(x, "Q4_1", blocks), rtol=1e-5, atol=1e-4)
 
+
+
+@needs_kernels
+def test_the_c_layers_compute_what_the_python_layers_compute(model, blocks_of_the_file):
+    """A decode step of two sequences on a paged pool: `BlockLlama`'s one C call a layer
+    against `Llama.forward` on the same blocks (PyTorch between the block products), both
+    after the same prefill. The logits and the keys and values each writes agree, and the
+    logits are within 1e-3 of the float32 model's."""
+    from labkit.engine.paged_cache import KVPool, PagedBatch
+    from labkit.models.llama import Llama
+
+    blocked = gb.block_model(model, blocks_of_the_file)
+    prompts = [model.tokenizer.encode("The capital of France is"), model.tokenizer.encode("def add(a, b):")]
+    pools = [KVPool(model.config, 8, 16) for _ in range(3)]
+    assert pools[0].native
+    tables = [[0, 1], [2, 3]]
+    for pool, runs in zip(pools, (blocked, blocked, model)):  # the prefill: many rows, one path
+        runs(torch.tensor([prompts[0] + prompts[1]]), cache=PagedBatch(pool, tables, [0, 0], [len(p) for p in prompts]))
+    step = torch.tensor([[11, 29]])
+    starts = [len(p) for p in prompts]
+    fused = blocked(step, cache=PagedBatch(pools[0], tables, starts, [1, 1]))
+    python = Llama.forward(blocked, step, cache=PagedBatch(pools[1], tables, starts, [1, 1]))
+    f32 = model(step, cache=PagedBatch(pools[2], tables, starts, [1, 1]))
+    assert (fused - python).abs().max() < 1e-4 and (fused - f32).abs().max() < 1e-3
+    for a, b in ((pools[0].keys, pools[1].keys), (pools[0].values, pools[1].values)):
+        assert (a - b).abs().max() < 1e-5 * b.abs().max()
+    assert pools[0].keys[-1, 0, :, :, starts[0]].abs().sum() > 0  # the new key was written
+
+
+@needs_kernels
+def test_one_c_layer_computes_one_python_layer(model, blocks_of_the_file):
+    """Layer 0 on the same three rows, in C and in PyTorch, with x in float32 and rounded to
+    bytes. In float32 the two agree to rounding. Rounded, a last-bit difference upstream can
+    move a value to the next step, which the rest of the layer carries on, so the two
+    int8 paths are held to the float32 layer instead: each as close to it as the other."""
+    from labkit.engine.paged_cache import KVPool, PagedBatch
+    from labkit.models.llama import decoder_layer
+
+    x = model.embed[torch.tensor(model.tokenizer.encode("One two three"))[:3]].contiguous()
+    cos, sin = model.rope_cos[:3].contiguous(), model.rope_sin[:3].contiguous()
+
+    def layer_zero(quantize_x: bool, in_c: bool) -> torch.Tensor:
+        blocked = gb.block_model(model, blocks_of_the_file, quantize_x)
+        batch = PagedBatch(KVPool(model.config, 4, 16), [[1]], [0], [3])
+        if not in_c:
+            return decoder_layer(model.config, blocked.layers[0], x[None], cos, sin, batch, 0)[0]
+        out = x.clone()
+        native.decoder_layer_blocks(out, blocked.fused_layers()[0], model.config, cos, sin, batch.native_layer(0))
+        return out
+
+    exact = layer_zero(False, False)
+    scale = exact.abs().max()
+    assert (layer_zero(False, True) - exact).abs().max() < 1e-5 * scale
+    rounded_c, rounded_python = ((layer_zero(True, c) - exact).abs().max() / scale for c in (True, False))
+    assert 1e-4 < rounded_c < 1.5 * rounded_python  # rounded, and no further from float32 than PyTorch

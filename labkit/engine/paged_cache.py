@@ -161,6 +161,14 @@ class PagedBatch:
         kk, vv = kk[:, :, :self.decode_len], vv[:, :, :self.decode_len]
         return F.scaled_dot_product_attention(q, kk, vv, attn_mask=self.decode_mask)
 
+    def native_layer(self, layer: int) -> native.PagedLayer:
+        """Layer `layer` of the pool with this step's slots, tables and tiles, for a kernel
+        that runs a whole layer (`native.decoder_layer_blocks`). Only where `native`."""
+        if not self.native:
+            raise ValueError("the pool is not on labkit's C kernels")
+        return native.PagedLayer(self.pool.keys[layer], self.pool.values[layer], self.new_blocks,
+                                 self.new_slots, self.tables, self.tiles)
+
     def advance(self, steps: int) -> None:
         """Nothing to do: the engine advances each sequence's `num_computed_tokens`."""
 

@@ -18,11 +18,14 @@ reference dequantization and the kernels to.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+import torch.nn.functional as F
 
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
-from labkit.models.llama import MATRICES, shallow_copy
+from labkit.models.llama import MATRICES, Llama, rms_norm, shallow_copy
 
 # GGUF tensor names (after `gguf_file.hf_name`) of each fused matrix of a layer, in the
 # order `LayerWeights` concatenates their rows.
@@ -126,6 +129,7 @@ def block_model(model, raw: dict[str, tuple[str, object]], quantize_x: bool = Fa
                                        getattr(model.layers[index], matrix).shape, f"layer {index} {matrix}")
         layers.append(layer.replaced(**swapped))
     out.layers = layers
+    out = BlockLlama.from_llama(out, quantize_x, max_rows)
     head = "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"  # tied
     kind, data = raw[head]
     out.lm_head = _checked(linear(kind, torch.from_numpy(data), dense.lm_head), model.lm_head.shape, "LM head")
@@ -136,3 +140,60 @@ def _checked(linear: BlockLinear, shape: torch.Size, what: str) -> BlockLinear:
     if linear.shape != shape:
         raise ValueError(f"{what}: blocks hold {tuple(linear.shape)}, the weight is {tuple(shape)}")
     return linear
+
+
+class PagedSteps(Protocol):
+    """A cache that lets a kernel run whole layers on its pool (the engine's `PagedBatch`)."""
+    native: bool
+
+    def native_layer(self, layer: int) -> native.PagedLayer: ...
+
+
+class BlockLlama(Llama):
+    """A `Llama` on the file's blocks whose decode steps of up to `max_rows` rows on a paged
+    pool with labkit's kernels run each layer in one C call (`native.decoder_layer_blocks`):
+    the same arithmetic as `decoder_layer`, without PyTorch's cost per small operation,
+    which was larger than the 4-bit matrix products themselves. Every other step is
+    `Llama.forward`."""
+
+    @classmethod
+    def from_llama(cls, model: Llama, quantize_x: bool, max_rows: int) -> "BlockLlama":
+        out = cls.__new__(cls)
+        out.__dict__ = model.__dict__  # the module's state, shared as `shallow_copy` shares it
+        out.quantize_x, out.max_rows, out._fused = quantize_x, max_rows, None
+        return out
+
+    def fused_layers(self) -> list[native.BlockLayerWeights] | None:
+        """Each layer's weights for the C layer, or None when a matrix is not on blocks."""
+        if self._fused is None:
+            fused = []
+            for layer in self.layers:
+                mats = [getattr(layer, m) for m in MATRICES]
+                if not all(isinstance(m, BlockLinear) for m in mats):
+                    return None
+                fused.append(native.BlockLayerWeights(layer.attn_norm.contiguous(), layer.mlp_norm.contiguous(),
+                                                      tuple(m.blocks for m in mats), tuple(m.kind for m in mats),
+                                                      self.quantize_x))
+            self._fused = fused
+        return self._fused
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: PagedSteps | None = None, last_only: bool = False,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        batch, steps = input_ids.shape
+        if (batch != 1 or steps > self.max_rows or not getattr(cache, "native", False)
+                or not hasattr(cache, "native_layer") or self.fused_layers() is None):
+            return super().forward(input_ids, cache=cache, last_only=last_only, rows=rows)
+        c = self.config
+        positions = cache.positions(steps, self.rope_cos.shape[0])
+        cos, sin = self.rope_cos[positions].contiguous(), self.rope_sin[positions].contiguous()
+        x = F.embedding(input_ids[0], self.embed).contiguous()  # [steps, hidden]
+        for index, weights in enumerate(self.fused_layers()):
+            native.decoder_layer_blocks(x, weights, c, cos, sin, cache.native_layer(index))
+        cache.advance(steps)
+        x = x[None]
+        if last_only:
+            x = x[:, -1:]
+        elif rows is not None:
+            x = x[:, rows]
+        return self.lm_head(rms_norm(x, self.final_norm, c.rms_norm_eps))

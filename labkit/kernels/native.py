@@ -52,6 +52,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -67,6 +68,9 @@ _SIGNATURES = {
     "labkit_paged_attention": [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float],
     **{f"labkit_gemv_{kind}{x}": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
        for kind in ("q4_1", "q8_0") for x in ("", "_q8")},
+    "labkit_decoder_layer_blocks": ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_long] * 5 + [ctypes.c_float]
+                                    + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 8
+                                    + [ctypes.c_long] * 3),
 }
 # GGUF block formats the kernels read in place: weights per block, bytes per block.
 BLOCK_FORMATS = {"Q4_1": (32, 20), "Q8_0": (32, 34)}
@@ -169,6 +173,57 @@ def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bo
     kernel = getattr(lib, f"labkit_gemv_{kind.lower()}{'_q8' if quantize_x else ''}")
     kernel(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // n, out, n)
     return y
+
+
+@dataclass
+class PagedLayer:
+    """One layer of a paged KV pool as a step's kernels see it: the layer's keys [blocks,
+    kv_heads, D, block_size] and values [blocks, kv_heads, block_size, D], where each new
+    token goes (block and slot, int64 [rows]), and the step's checked tables and tiles
+    (`check_tiles`)."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    new_blocks: torch.Tensor
+    new_slots: torch.Tensor
+    tables: torch.Tensor
+    tiles: torch.Tensor
+
+
+@dataclass
+class BlockLayerWeights:
+    """A decoder layer's weights for `decoder_layer_blocks`: the norms (float32 [hidden]) and
+    the four matrices (qkv, o_proj, gate_up, down) as GGUF blocks with their kinds."""
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    matrices: tuple[torch.Tensor, ...]
+    kinds: tuple[str, ...]
+    quantize_x: bool
+
+    def __post_init__(self):
+        if len(self.matrices) != 4 or any(k not in BLOCK_FORMATS for k in self.kinds):
+            raise ValueError(f"four matrices in {sorted(BLOCK_FORMATS)} blocks, got {self.kinds}")
+        self.pointers = (ctypes.c_void_p * 4)(*(m.data_ptr() for m in self.matrices))
+        self.kind_codes = torch.tensor([list(BLOCK_FORMATS).index(k) for k in self.kinds], dtype=torch.long)
+
+
+def decoder_layer_blocks(x: torch.Tensor, weights: BlockLayerWeights, shape, cos: torch.Tensor,
+                         sin: torch.Tensor, kv: PagedLayer) -> None:
+    """One decoder layer (labkit.models.llama.decoder_layer) in one C call, for the rows of a
+    paged decode step: x float32 [rows, hidden] is updated in place. `shape`: the model's
+    config (hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps);
+    cos, sin [rows, head_dim] for the rows' positions. The caller ran `check_tiles`."""
+    lib = _require()
+    rows, hidden = x.shape
+    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or x.dtype != torch.float32:
+        raise ValueError("x, cos and sin must be contiguous float32")
+    if cos.shape != (rows, shape.head_dim) or len(kv.new_blocks) != rows or hidden != shape.hidden_size:
+        raise ValueError("x, cos, sin and the new slots must describe the same rows")
+    lib.labkit_decoder_layer_blocks(
+        x.data_ptr(), rows, hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+        shape.intermediate_size, shape.rms_norm_eps, weights.attn_norm.data_ptr(), weights.mlp_norm.data_ptr(),
+        weights.pointers, weights.kind_codes.data_ptr(), int(weights.quantize_x), cos.data_ptr(), sin.data_ptr(),
+        kv.keys.data_ptr(), kv.values.data_ptr(), kv.new_blocks.data_ptr(), kv.new_slots.data_ptr(),
+        kv.tables.data_ptr(), kv.tiles.data_ptr(), kv.tiles.shape[0], kv.tables.shape[1], kv.keys.shape[-1])
 
 
 TILE_ROWS = 16  # query rows of one sequence that share each block read (x group heads)
