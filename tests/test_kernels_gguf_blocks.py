@@ -45,23 +45,23 @@ def test_the_block_kernel_computes_the_float_product(kind, rows):
 
 def int8_product(x: torch.Tensor, kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """llama.cpp's scheme written out in PyTorch, apart from the kernels: x rounded per block
-    of 32 to bytes (scale max |x| / 127, halves rounded away from zero), integer dot products
-    with the weights' 4- or 8-bit values, then the scales (and Q4_1's minimum)."""
+    of 32 to bytes (step max |x| / 127 and its inverse in float32, halves to even), integer
+    dot products with the weights' 4- or 8-bit values, then the scales (and Q4_1's minimum)."""
     per_block, block_bytes = native.BLOCK_FORMATS[kind]
     out = blocks.shape[0]
-    xb = x.double().reshape(x.shape[0], -1, per_block)                       # [rows, nb, 32]
-    dx = xb.abs().amax(-1, keepdim=True).float().double() / 127
-    v = xb / torch.where(dx > 0, dx, 1)
-    qx = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    xb = x.reshape(x.shape[0], -1, per_block)                                # [rows, nb, 32]
+    step = xb.abs().amax(-1, keepdim=True) / 127
+    qx = torch.round(xb * torch.where(step > 0, 1 / step, 0)).double()
+    dx = step[..., 0].double()
     b = blocks.reshape(out, -1, block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).double()                # [out, nb, 1]
+    d = b[..., 0:2].contiguous().view(torch.float16).double()[..., 0]       # [out, nb]
     if kind == "Q8_0":
         qw = b[..., 2:].contiguous().view(torch.int8).double()
-        return torch.einsum("rbj,obj,rb,ob->ro", qx, qw, dx[..., 0], d[..., 0]).float()
-    m = b[..., 2:4].contiguous().view(torch.float16).double()
+        return torch.einsum("rbj,obj,rb,ob->ro", qx, qw, dx, d).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
     qw = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).double()
-    scaled = torch.einsum("rbj,obj,rb,ob->ro", qx, qw, dx[..., 0], d[..., 0])
-    return (scaled + torch.einsum("rb,ob->ro", dx[..., 0] * qx.sum(-1), m[..., 0])).float()
+    scaled = torch.einsum("rbj,obj,rb,ob->ro", qx, qw, dx, d)
+    return (scaled + torch.einsum("rb,ob->ro", dx * qx.sum(-1), m)).float()
 
 
 @needs_kernels
@@ -88,6 +88,9 @@ def test_the_portable_build_computes_the_same(tmp_path):
         torch.testing.assert_close(native.gemv_blocks(x, blocks, kind, lib=lib), want, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(native.gemv_blocks(x, blocks, kind, True, lib=lib), int8_product(x, kind, blocks),
                                    rtol=1e-5, atol=1e-4)
+    blocks, _ = random_blocks("Q4_1", 40, 256, seed=7)
+    torch.testing.assert_close(native.gemv_blocks(x, gb.regroup_q4_1(blocks), "Q4_1x8", True, lib=lib),
+                               int8_product(x, "Q4_1", blocks), rtol=1e-5, atol=1e-4)
 
 
 @needs_kernels
@@ -235,3 +238,17 @@ def test_one_c_layer_computes_one_python_layer(model, blocks_of_the_file):
     assert (layer_zero(False, True) - exact).abs().max() < 1e-5 * scale
     rounded_c, rounded_python = ((layer_zero(True, c) - exact).abs().max() / scale for c in (True, False))
     assert 1e-4 < rounded_c < 1.5 * rounded_python  # rounded, and no further from float32 than PyTorch
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_regrouped_q4_1_gives_the_same_int8_product(rows):
+    blocks, _ = random_blocks("Q4_1", 96, 576, seed=rows)
+    regrouped = gb.regroup_q4_1(blocks)
+    by_eight = (lambda b: b.reshape(-1, 8 * b.shape[1]).sort().values)  # each eight rows' bytes
+    assert regrouped.shape == blocks.shape and torch.equal(by_eight(regrouped), by_eight(blocks))
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    got = native.gemv_blocks(x, regrouped, "Q4_1x8", quantize_x=True)
+    torch.testing.assert_close(got, int8_product(x, "Q4_1", blocks), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        native.gemv_blocks(x, regrouped, "Q4_1x8")  # float32 x: no kernel for this order

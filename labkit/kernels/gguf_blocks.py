@@ -52,7 +52,7 @@ def dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
 
 def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
     """x as the int8 kernels see it, in float32: each block of 32 values scaled by
-    max |x| / 127 and rounded to whole steps (halves away from zero).
+    max |x| / 127 and rounded to whole steps (halves to even).
 
     The two paths then agree to float32's last bits, but not always in the tokens: a value
     a last bit away from a half step rounds the other way, a whole step's difference that
@@ -62,7 +62,23 @@ def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
     step = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
     scaled = blocks * inverse
-    return (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5) * step).reshape(x.shape)
+    return (torch.round(scaled) * step).reshape(x.shape)
+
+
+def regroup_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks [out, n / 32 * 20] with each eight rows' bytes regrouped for the 8-bit
+    kernel (`Q4_1x8`, described in csrc/gguf_blocks.c): per eight rows and block, the eight
+    steps, the eight minimums, then four runs of each row's next four bytes of nibbles. The
+    same bytes, reordered; the shape is unchanged."""
+    out, row_bytes = blocks.shape
+    if out % 8 or row_bytes % 20:
+        raise ValueError(f"Q4_1 blocks of {out} rows cannot be regrouped by eight")
+    groups, nb = out // 8, row_bytes // 20
+    b = blocks.reshape(groups, 8, nb, 20).permute(0, 2, 1, 3)  # [groups, block, row, bytes]
+    nibbles = b[..., 4:].reshape(groups, nb, 8, 4, 4).permute(0, 1, 3, 2, 4)  # [.., run, row, 4]
+    parts = (b[..., 0:2].reshape(groups, nb, 16), b[..., 2:4].reshape(groups, nb, 16),
+             nibbles.reshape(groups, nb, 128))
+    return torch.cat(parts, dim=-1).reshape(out, row_bytes).contiguous()
 
 
 class BlockLinear(torch.nn.Module):
@@ -75,6 +91,8 @@ class BlockLinear(torch.nn.Module):
         super().__init__()
         if kind not in native.BLOCK_FORMATS:
             raise ValueError(f"no kernel for {kind!r} blocks")
+        if kind == "Q4_1" and quantize_x and blocks.shape[0] % 8 == 0:
+            kind, blocks = "Q4_1x8", regroup_q4_1(blocks)  # the 8-bit kernel's order
         self.kind, self.blocks, self.dense = kind, blocks.contiguous(), dense
         self.quantize_x, self.max_rows = quantize_x, max_rows
 

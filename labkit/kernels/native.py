@@ -68,12 +68,14 @@ _SIGNATURES = {
     "labkit_paged_attention": [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float],
     **{f"labkit_gemv_{kind}{x}": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
        for kind in ("q4_1", "q8_0") for x in ("", "_q8")},
+    "labkit_gemv_q4_1x8_q8": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
     "labkit_decoder_layer_blocks": ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_long] * 5 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 8
                                     + [ctypes.c_long] * 3),
 }
-# GGUF block formats the kernels read in place: weights per block, bytes per block.
-BLOCK_FORMATS = {"Q4_1": (32, 20), "Q8_0": (32, 34)}
+# GGUF block formats the kernels read in place: weights per block, bytes per block. Q4_1x8:
+# Q4_1 with each eight rows' blocks regrouped (`gguf_blocks.regroup_q4_1`), 8-bit x only.
+BLOCK_FORMATS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_1x8": (32, 20)}
 
 
 def _read_sources() -> dict[str, str]:
@@ -168,6 +170,8 @@ def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bo
         raise ValueError(f"{kind} blocks are uint8 rows of whole blocks, x float32, on the CPU")
     if x.shape[-1] != n:
         raise ValueError(f"x has {x.shape[-1]} features, the blocks hold {n}")
+    if kind == "Q4_1x8" and not (quantize_x and out % 8 == 0):
+        raise ValueError("Q4_1x8 blocks are read with 8-bit x only, eight rows at a time")
     x, blocks = x.contiguous(), blocks.contiguous()
     y = torch.empty(*x.shape[:-1], out, dtype=torch.float32)
     kernel = getattr(lib, f"labkit_gemv_{kind.lower()}{'_q8' if quantize_x else ''}")

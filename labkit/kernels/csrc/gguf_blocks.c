@@ -60,22 +60,52 @@ typedef struct {
   signed char q[32];
 } xblock;
 
+/* Rounds half to even (the rounding mode's nearest), as AVX2's vroundps does. */
 static void quantize_rows(const float* X, xblock* out, long rows, long n) {
   const long nb = n / 32;
   for (long r = 0; r < rows; r++)
     for (long b = 0; b < nb; b++) {
       const float* x = X + r * n + b * 32;
       xblock* o = out + r * nb + b;
+#ifdef LABKIT_AVX2
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 v[4], amax8 = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+      __m256i q[4];
+      for (int i = 0; i < 4; i++)
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      /* 32 int32 -> 32 int8, undoing the lane interleaving of the packs */
+      const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256((__m256i*)o->q, bytes);
+      const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(words, words2), _mm256_set1_epi16(1));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      o->d = d;
+      o->s = d * (float)_mm_cvtsi128_si32(s4);
+#else
       float amax = 0.0f;
       for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
       const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
       int sum = 0;
       for (int j = 0; j < 32; j++) {
-        o->q[j] = (signed char)roundf(x[j] * id);
+        o->q[j] = (signed char)nearbyintf(x[j] * id);
         sum += o->q[j];
       }
       o->d = d;
       o->s = d * (float)sum;
+#endif
     }
 }
 
@@ -261,6 +291,78 @@ static inline void q8_0_q8_tile(const unsigned char* w, const xblock* X, float* 
 
 #endif
 
+/* ---- Q4_1 regrouped eight rows at a time, for 8-bit activations ---------------------------
+
+   The same bytes as the file's blocks, reordered once at load (labkit.kernels.gguf_blocks.
+   regroup_q4_1): for each eight weight rows and each block, the eight steps d (f16), the
+   eight minimums m (f16), then four runs of 32 bytes, run g holding bytes 4g .. 4g+3 of each
+   row's block, row after row. One 32-byte load then feeds eight rows at once: its low
+   nibbles are weights 4g .. 4g+3 of the eight rows and its high nibbles weights 16+4g ..,
+   each multiplied by the same four bytes of x (broadcast), so the products land in one
+   lane per row and no horizontal sums are needed; a block's sums stay in 16-bit lanes
+   (at most 8 x 2 x 15 x 127 = 30,480) until its one conversion to float. */
+
+#define X8_BYTES 160
+
+#ifdef LABKIT_AVX2
+static inline void q4_1x8_rows(const unsigned char* w, const xblock* X, float* Y, long rows,
+                               long nb, long out) {
+  const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (long r = 0; r < rows; r++) {
+    const xblock* x = X + r * nb;
+    const unsigned char* p = w;
+    __m256 acc = _mm256_setzero_ps(), low = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++, p += X8_BYTES) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+      const int* xq = (const int*)x[b].q;
+      __m256i sums = _mm256_setzero_si256();
+      for (int g = 0; g < 4; g++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * g));
+        const __m256i lo = _mm256_and_si256(bytes, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[g])));
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[4 + g])));
+      }
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
+      acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), dots, acc);
+      low = _mm256_fmadd_ps(m, _mm256_set1_ps(x[b].s), low);
+    }
+    _mm256_storeu_ps(Y + r * out, _mm256_add_ps(acc, low));
+  }
+}
+#else
+static inline void q4_1x8_rows(const unsigned char* w, const xblock* X, float* Y, long rows,
+                               long nb, long out) {
+  for (long r = 0; r < rows; r++)
+    for (int i = 0; i < 8; i++) {
+      float total = 0.0f;
+      for (long b = 0; b < nb; b++) {
+        const unsigned char* p = w + b * X8_BYTES;
+        const xblock* x = X + r * nb + b;
+        int dot = 0;
+        for (int g = 0; g < 4; g++)
+          for (int k = 0; k < 4; k++) {
+            const unsigned char byte = p[32 + 32 * g + 4 * i + k];
+            dot += (byte & 15) * x->q[4 * g + k] + (byte >> 4) * x->q[16 + 4 * g + k];
+          }
+        total += half_to_float(p + 2 * i) * x->d * (float)dot + half_to_float(p + 16 + 2 * i) * x->s;
+      }
+      Y[r * out + i] = total;
+    }
+}
+#endif
+
+void labkit_gemv_q4_1x8_q8(const unsigned char* W, const float* X, float* Y, long rows,
+                           long out, long n) {
+  const long nb = n / 32;
+  xblock* qx = malloc(sizeof(xblock) * rows * nb);
+  quantize_rows(X, qx, rows, n);
+  #pragma omp parallel for schedule(static)
+  for (long o = 0; o < out / 8; o++) q4_1x8_rows(W + o * nb * X8_BYTES, qx, Y + 8 * o, rows, nb, out);
+  free(qx);
+}
+
 /* Row tiles of R = 4, then the 1-3 rows left; each call with a constant R so the
    accumulators stay in registers. */
 #define FOR_ROW_TILES(rows, CALL)                                                           \
@@ -335,7 +437,7 @@ void labkit_gemv_q8_0_q8(const unsigned char* W, const float* X, float* Y, long 
      store k, v at their (block, slot);  a = paged attention of q;  x += a Wo;
      h = rms_norm(x) * mlp_norm;  g, u = h Wgate_up;  x += (silu(g) * u) Wdown.
    x [rows, hidden] is updated in place. Each matrix is (blocks, kind) with kind 0 = Q4_1,
-   1 = Q8_0; `quantize_x` picks the 8-bit activation kernels. cos, sin: [rows, head_dim]. */
+   1 = Q8_0, 2 = Q4_1 regrouped by eight rows (8-bit activations only); `quantize_x` picks the 8-bit activation kernels. cos, sin: [rows, head_dim]. */
 
 void labkit_paged_attention(const float* keys, const float* values, const long* tables,
                             const long* tiles, const float* q, float* out, long num_tiles,
@@ -344,7 +446,9 @@ void labkit_paged_attention(const float* keys, const float* values, const long* 
 
 static void matrix_product(const unsigned char* W, long kind, long quantize_x, const float* X,
                            float* Y, long rows, long out, long n) {
-  if (kind == 0)
+  if (kind == 2)
+    labkit_gemv_q4_1x8_q8(W, X, Y, rows, out, n);
+  else if (kind == 0)
     (quantize_x ? labkit_gemv_q4_1_q8 : labkit_gemv_q4_1)(W, X, Y, rows, out, n);
   else
     (quantize_x ? labkit_gemv_q8_0_q8 : labkit_gemv_q8_0)(W, X, Y, rows, out, n);
