@@ -151,8 +151,10 @@ def _cmd_bench(args) -> int:
     except ValueError as exc:
         print(f"labkit: {exc}", file=sys.stderr)
         return 2
-    missed = [f for f in figures if not f.passed]
-    print(f"{len(figures) - len(missed)}/{len(figures)} figures meet their targets; records in {args.out}/")
+    missed = [f for f in figures if f.passed is False]
+    not_run = sum(f.passed is None for f in figures)
+    print(f"{len(figures) - len(missed) - not_run}/{len(figures)} figures meet their targets"
+          f"{f', {not_run} NOT_RUN' if not_run else ''}; records in {args.out}/")
     return 1 if args.check and missed else 0
 
 
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     book.set_defaults(func=_cmd_book)
 
     bench = sub.add_parser("bench", help="benchmark the serving engine against its baselines")
-    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix, serve (default: all)")
+    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix, serve, lowbit (default: all)")
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the plumbing only")
     bench.add_argument("--out", default="results/bench", help="folder for summary.json and the records")
     bench.add_argument("--model", default="smollm2-135m")

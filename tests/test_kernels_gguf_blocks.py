@@ -173,10 +173,11 @@ def test_weights_are_checked(model, monkeypatch):
 
 @needs_kernels
 def test_rounded_activations_give_the_same_product_on_both_paths():
-    """Beyond a few rows gguf-int8 multiplies float32 weights by x rounded the kernels' way,
-    so a request's numbers do not depend on how many others share its step."""
+    """Where a BlockLinear is told to hand big steps to float32 weights, it multiplies them
+    by x rounded the kernels' way: one model on both paths."""
     blocks, reference = random_blocks("Q4_1", 64, 256, seed=3)
-    linear = gb.BlockLinear("Q4_1", blocks, torch.from_numpy(reference.reshape(64, 256)), quantize_x=True)
+    linear = gb.BlockLinear("Q4_1", blocks, torch.from_numpy(reference.reshape(64, 256)), quantize_x=True,
+                            max_rows=4)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
     many = linear(x)  # 9 rows: the float32 path
     few = torch.cat([linear(x[i:i + 3]) for i in range(0, 9, 3)])  # 3 rows at a time: the kernel
@@ -252,3 +253,17 @@ def test_regrouped_q4_1_gives_the_same_int8_product(rows):
     torch.testing.assert_close(got, int8_product(x, "Q4_1", blocks), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError):
         native.gemv_blocks(x, regrouped, "Q4_1x8")  # float32 x: no kernel for this order
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_gguf_int8_gives_a_request_its_solo_tokens_in_a_batch(model):
+    """In gguf-int8 every step, prefill and decode, any batch, runs the same per-row kernels,
+    so a request's tokens do not depend on the requests it shares its steps with."""
+    prompts = ["List three colours:", "def fibonacci(n):", "The capital of France is", "Once upon a time",
+               "The history of the printing press", "An inference engine takes a trained model and"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights="gguf-int8"))
+    together = engine.generate(prompts, greedy)  # six rows a decode step, one prefill for all
+    for prompt, out in zip(prompts, together):
+        assert out.samples[0].token_ids == engine.generate([prompt], greedy)[0].samples[0].token_ids

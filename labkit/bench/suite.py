@@ -9,6 +9,8 @@ same process, with every request's record written beside the summary.
     prefix    time to first token of a follow-up after a cached prefix vs the same prompt cold
     serve     the batch workload from 32 streaming HTTP clients against `labkit serve` vs the
               same engine in process: output tokens/s, TTFT overhead, tokens identical
+    lowbit    the engine on the model file's own blocks vs float32 and vs llama.cpp on the same
+              file: decode tokens/s, batch tokens/s, quality (`labkit.bench.lowbit`)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from labkit.bench.workloads import Workload, chat_lengths, poisson_arrivals, tex
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.scheduler import SchedulerConfig
 
-FIGURES = ("decode", "batch", "ttft", "paging", "prefix", "serve")
+FIGURES = ("decode", "batch", "ttft", "paging", "prefix", "serve", "lowbit")
 FRONT_END_STAGES = ("read", "parse", "tokenize", "submit", "to-engine", "to-front-end", "serialize")
 SERVE_STAGGER_S = 0.004  # between the HTTP clients' first requests: the server sees the send order
 
@@ -40,10 +42,13 @@ class Figure:
     unit: str
     ratio: float
     target: str            # e.g. ">= 2" or "<= 0.2"
-    passed: bool
+    passed: bool | None    # None: NOT_RUN
     details: dict = field(default_factory=dict)
+    not_run: str | None = None  # why it could not run here
 
     def line(self) -> str:
+        if self.not_run:
+            return f"[NOT_RUN] {self.name:7s} {self.what}: {self.not_run}"
         mark = "ok  " if self.passed else "MISS"
         return (f"[{mark}] {self.name:7s} {self.what}: {self.value:.4g} vs {self.baseline:.4g} {self.unit}"
                 f" -> ratio {self.ratio:.2f} (target {self.target})")
@@ -54,8 +59,9 @@ def _meets(ratio: float, target: str) -> bool:
     return ratio >= float(bound) if op == ">=" else ratio <= float(bound)
 
 
-def figure(name, what, value, baseline, unit, ratio, target, **details) -> Figure:
-    return Figure(name, what, value, baseline, unit, ratio, target, _meets(ratio, target), details)
+def figure(name, what, value, baseline, unit, ratio, target, not_run: str | None = None, **details) -> Figure:
+    passed = None if not_run else _meets(ratio, target)
+    return Figure(name, what, value, baseline, unit, ratio, target, passed, details, not_run)
 
 
 @dataclass
@@ -187,6 +193,12 @@ class Bench:
                       "prefix vs the same length cold", w, c, "s", w / c, "<= 0.3", trials=trials, cold_s=cold,
                       warm_s=warm, prefix_hits=engine.stats().prefix_hits)
 
+
+    # -- lowbit -------------------------------------------------------------------------------
+    def lowbit(self) -> list[Figure]:
+        from labkit.bench import lowbit
+
+        return [*lowbit.decode(self, figure), *lowbit.batch(self, figure), *lowbit.quality(self, figure)]
 
     # -- serve --------------------------------------------------------------------------------
     def serve(self) -> list[Figure]:

@@ -1,0 +1,138 @@
+"""`labkit bench lowbit`: the engine on the model file's own blocks against float32, and
+against llama.cpp on the same file with the same threads.
+
+    decode   single-stream greedy decode (16-token prompt, 128 tokens) of every weights mode
+             (`labkit.engine.backends.WEIGHTS`) and llama.cpp, taking turns round after round
+             (the first round warms up and is dropped)
+    batch    the batch workload (32 requests x 64 tokens, all at once) in every mode, the
+             modes taking turns for three rounds; every request's tokens against its run
+             alone in the fastest low-precision mode
+    quality  perplexity on the evaluation text, greedy tokens on the test prompts against
+             float32's, and the largest logit difference from float32 along those prompts
+             (one token at a time on the paged pool, the path decode takes) for every mode
+             and llama.cpp
+
+Where llama.cpp is not installed its figures are NOT_RUN, with the reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from labkit.bench.peers import LlamaCpp, why_not_llama_cpp
+from labkit.bench.serving import greedy_params, run_engine
+from labkit.engine.backends import WEIGHTS
+from labkit.engine.llm_engine import EngineConfig, LLMEngine
+from labkit.engine.paged_cache import KVPool, PagedBatch
+from labkit.eval import eval_text, score_tokens
+
+LOW_BITS = tuple(w for w in WEIGHTS if w != "f32")
+TEST_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
+                "An inference engine takes a trained model and a request, and it must",
+                "List three colours:", "Once upon a time, in a small village by the sea,")
+
+
+def decode(bench, figure) -> list:
+    tokens, rounds = bench.size(128, 8), bench.size(5, 1)
+    prompt = bench.text_ids[:16]
+    engines = {w: LLMEngine(bench.model, EngineConfig(kv_cache_tokens=1024, weights=w)) for w in WEIGHTS}
+    why_not = why_not_llama_cpp()
+    peer = None if why_not else LlamaCpp(bench.model_name, torch.get_num_threads())
+    seconds = {name: [] for name in [*engines, *([] if peer is None else ["llama.cpp"])]}
+    for _ in range(rounds + 1):  # every system once a round, in turn; round 0 is dropped
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            out = engine.generate([prompt], greedy_params(tokens))[0]
+            seconds[name].append(time.perf_counter() - start)
+            assert len(out.token_ids) == tokens
+        if peer is not None:
+            start = time.perf_counter()
+            assert len(peer.generate(prompt, tokens)) == tokens
+            seconds["llama.cpp"].append(time.perf_counter() - start)
+    rates = {name: [tokens / s for s in runs[1:]] for name, runs in seconds.items()}
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    best = max(LOW_BITS, key=median.get)
+    shared = {"prompt_tokens": len(prompt), "output_tokens": tokens, "rounds": rounds, "tokens_per_s": rates,
+              "seconds": seconds, "peer": None if peer is None else peer.describe()}
+    out = [figure("lowbit", f"single-stream decode, {w} vs f32", median[w], median["f32"], "tokens/s",
+                  median[w] / median["f32"], ">= 2", **shared) for w in LOW_BITS]
+    what = f"single-stream decode, labkit {best} vs llama.cpp on the same file and threads"
+    if peer is None:
+        out.append(figure("lowbit", what, median[best], float("nan"), "tokens/s", float("nan"), ">= 1.25",
+                          not_run=why_not, **shared))
+    else:
+        out.append(figure("lowbit", what, median[best], median["llama.cpp"], "tokens/s",
+                          median[best] / median["llama.cpp"], ">= 1.25", **shared))
+    return out
+
+
+def batch(bench, figure) -> list:
+    work, rounds = bench.batch_workload(), bench.size(3, 1)
+    runs = {w: [] for w in WEIGHTS}
+    for round_ in range(rounds):  # the modes take turns, so a drift of the machine hits all
+        for w in WEIGHTS:
+            runs[w].append(run_engine(bench.model, work, _config(bench, w), f"continuous batching, {w}"))
+            bench.runs[f"lowbit_batch_{w}_{round_}"] = runs[w][-1]
+    rates = {w: [r.tokens_per_s for r in rs] for w, rs in runs.items()}
+    median = {w: statistics.median(r) for w, r in rates.items()}
+    best = max(LOW_BITS, key=median.get)
+    solo = bench.runs[f"lowbit_solo_{best}"] = run_engine(bench.model, work, _config(bench, best, max_num_seqs=1),
+                                                          f"one request at a time, {best}")
+    same = sum(a.token_ids == b.token_ids for a, b in zip(runs[best][0].records, solo.records))
+    return [figure("lowbit", f"{len(work)} requests, continuous batching, {best} vs f32", median[best],
+                   median["f32"], "output tokens/s", median[best] / median["f32"], ">= 1.5",
+                   workload=work.describe(), rounds=rounds, tokens_per_s=rates),
+            figure("lowbit", f"requests whose tokens in {best} equal their solo run in {best}", same, len(work),
+                   "requests", same / len(work), ">= 1")]
+
+
+def _config(bench, weights: str, **scheduling) -> EngineConfig:
+    return replace(bench.continuous_config(**scheduling), weights=weights)
+
+
+def quality(bench, figure) -> list:
+    model = bench.model
+    prompts = [model.tokenizer.encode(p) for p in TEST_PROMPTS]
+    tokens = bench.size(32, 8)
+    text_ids = model.tokenizer.encode(eval_text())[:bench.size(None, 1024)]
+    why_not = why_not_llama_cpp()
+    peer = None if why_not else LlamaCpp(bench.model_name, torch.get_num_threads())
+    served = {w: LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights=w)) for w in WEIGHTS}
+    greedy = {w: [o.samples[0].token_ids for o in e.generate(prompts, greedy_params(tokens))]
+              for w, e in served.items()}
+    if peer is not None:
+        greedy["llama.cpp"] = [peer.generate(p, tokens) for p in prompts]
+    reference = [model(torch.tensor([p + g]))[0] for p, g in zip(prompts, greedy["f32"])]
+    logit_gap = {w: max(_paged_logits(e.model, model.config, p + g).sub(r).abs().max().item()
+                        for p, g, r in zip(prompts, greedy["f32"], reference)) for w, e in served.items()}
+    if peer is not None:
+        logit_gap["llama.cpp"] = max(peer.logits(p + g).sub(r).abs().max().item()
+                                     for p, g, r in zip(prompts, greedy["f32"], reference))
+    perplexity = {w: score_tokens(e.model, text_ids).perplexity for w, e in served.items()}
+    if peer is not None:
+        perplexity["llama.cpp"] = score_tokens(lambda chunk: peer.logits(chunk[0].tolist())[None],
+                                               text_ids).perplexity
+    agreement = {name: sum(a == b for out, ref in zip(outs, greedy["f32"]) for a, b in zip(out, ref))
+                 / (len(prompts) * tokens) for name, outs in greedy.items()}
+    shared = {"perplexity": perplexity, "perplexity_tokens": len(text_ids), "greedy_agreement_with_f32": agreement,
+              "max_logit_difference_from_f32": logit_gap, "prompts": list(TEST_PROMPTS), "greedy_tokens": tokens,
+              "peer": None if peer is None else peer.describe()}
+    return [figure("lowbit", "largest logit difference from f32 along the test prompts, gguf (float32 x)",
+                   logit_gap["gguf"], 0.0, "logit", logit_gap["gguf"], "<= 0.001", **shared),
+            figure("lowbit", "greedy tokens on the test prompts equal to f32's, gguf", agreement["gguf"], 1.0,
+                   "fraction", agreement["gguf"], ">= 1", **shared)]
+
+
+def _paged_logits(served_model, config, ids: list[int]) -> torch.Tensor:
+    """Logits for every position of `ids`, fed one token a step through a native paged pool
+    (the path a decode step takes in the engine)."""
+    blocks = -(-len(ids) // 16)
+    pool = KVPool(config, blocks, 16)
+    table = [list(range(blocks))]
+    step = [served_model(torch.tensor([[t]]), cache=PagedBatch(pool, table, [i], [1]))[0, -1]
+            for i, t in enumerate(ids)]
+    return torch.stack(step)
