@@ -63,6 +63,7 @@ typedef struct {
 /* Rounds half to even (the rounding mode's nearest), as AVX2's vroundps does. */
 static void quantize_rows(const float* X, xblock* out, long rows, long n) {
   const long nb = n / 32;
+  #pragma omp parallel for schedule(static) if (rows >= 8)
   for (long r = 0; r < rows; r++)
     for (long b = 0; b < nb; b++) {
       const float* x = X + r * n + b * 32;
@@ -291,6 +292,18 @@ static inline void q8_0_q8_tile(const unsigned char* w, const xblock* X, float* 
 
 #endif
 
+/* Row tiles of R = 4, then the 1-3 rows left; each call with a constant R so the
+   accumulators stay in registers. */
+#define FOR_ROW_TILES(rows, CALL)                                                           \
+  for (long r0 = 0; r0 < (rows); r0 += ROW_TILE) {                                          \
+    switch ((rows) - r0 < ROW_TILE ? (rows) - r0 : ROW_TILE) {                              \
+      case 1: CALL(1); break;                                                               \
+      case 2: CALL(2); break;                                                               \
+      case 3: CALL(3); break;                                                               \
+      default: CALL(4); break;                                                              \
+    }                                                                                       \
+  }
+
 /* ---- Q4_1 regrouped eight rows at a time, for 8-bit activations ---------------------------
 
    The same bytes as the file's blocks, reordered once at load (labkit.kernels.gguf_blocks.
@@ -305,31 +318,44 @@ static inline void q8_0_q8_tile(const unsigned char* w, const xblock* X, float* 
 #define X8_BYTES 160
 
 #ifdef LABKIT_AVX2
-static inline void q4_1x8_rows(const unsigned char* w, const xblock* X, float* Y, long rows,
-                               long nb, long out) {
+/* R rows of x (R <= 4, a constant after inlining) against eight weight rows: each block's
+   nibbles are unpacked once for all R rows; a row's arithmetic is the same whatever R. */
+static inline __attribute__((always_inline)) void q4_1x8_tile(
+    const unsigned char* w, const xblock* X, float* Y, int R, long nb, long out) {
   const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  for (long r = 0; r < rows; r++) {
-    const xblock* x = X + r * nb;
-    const unsigned char* p = w;
-    __m256 acc = _mm256_setzero_ps(), low = _mm256_setzero_ps();
-    for (long b = 0; b < nb; b++, p += X8_BYTES) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
-      const int* xq = (const int*)x[b].q;
-      __m256i sums = _mm256_setzero_si256();
-      for (int g = 0; g < 4; g++) {
-        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * g));
-        const __m256i lo = _mm256_and_si256(bytes, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[g])));
-        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[4 + g])));
+  __m256 acc[ROW_TILE];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (long b = 0; b < nb; b++, w += X8_BYTES) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
+    __m256i lo[4], hi[4];
+    for (int g = 0; g < 4; g++) {
+      const __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + 32 + 32 * g));
+      lo[g] = _mm256_and_si256(bytes, mask);
+      hi[g] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+    }
+    for (int r = 0; r < R; r++) {
+      const xblock* x = X + r * nb + b;
+      const int* xq = (const int*)x->q;
+      __m256i sums = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(xq[0]));
+      sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(xq[4])));
+      for (int g = 1; g < 4; g++) {
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(xq[g])));
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(xq[4 + g])));
       }
       const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), dots, acc);
-      low = _mm256_fmadd_ps(m, _mm256_set1_ps(x[b].s), low);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->d)), dots, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s), acc[r]);
     }
-    _mm256_storeu_ps(Y + r * out, _mm256_add_ps(acc, low));
   }
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * out, acc[r]);
+}
+
+static inline void q4_1x8_rows(const unsigned char* w, const xblock* X, float* Y, long rows,
+                               long nb, long out) {
+#define CALL(R) q4_1x8_tile(w, X + r0 * nb, Y + r0 * out, R, nb, out)
+  FOR_ROW_TILES(rows, CALL)
+#undef CALL
 }
 #else
 static inline void q4_1x8_rows(const unsigned char* w, const xblock* X, float* Y, long rows,
@@ -362,18 +388,6 @@ void labkit_gemv_q4_1x8_q8(const unsigned char* W, const float* X, float* Y, lon
   for (long o = 0; o < out / 8; o++) q4_1x8_rows(W + o * nb * X8_BYTES, qx, Y + 8 * o, rows, nb, out);
   free(qx);
 }
-
-/* Row tiles of R = 4, then the 1-3 rows left; each call with a constant R so the
-   accumulators stay in registers. */
-#define FOR_ROW_TILES(rows, CALL)                                                           \
-  for (long r0 = 0; r0 < (rows); r0 += ROW_TILE) {                                          \
-    switch ((rows) - r0 < ROW_TILE ? (rows) - r0 : ROW_TILE) {                              \
-      case 1: CALL(1); break;                                                               \
-      case 2: CALL(2); break;                                                               \
-      case 3: CALL(3); break;                                                               \
-      default: CALL(4); break;                                                              \
-    }                                                                                       \
-  }
 
 void labkit_gemv_q4_1(const unsigned char* W, const float* X, float* Y, long rows, long out,
                       long n) {
@@ -454,8 +468,14 @@ static void matrix_product(const unsigned char* W, long kind, long quantize_x, c
     (quantize_x ? labkit_gemv_q8_0_q8 : labkit_gemv_q8_0)(W, X, Y, rows, out, n);
 }
 
+/* The elementwise work of a layer: split over the threads once a step has many rows
+   (prefill), left on the calling thread for a few (decode), where waking the team costs
+   more than the work. */
+#define MANY_ROWS 8
+
 static void rms_norm_rows(const float* x, const float* weight, float* h, long rows, long n,
                           float eps) {
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long r = 0; r < rows; r++) {
     float squares = 0.0f;
     for (long i = 0; i < n; i++) squares += x[r * n + i] * x[r * n + i];
@@ -493,6 +513,7 @@ void labkit_decoder_layer_blocks(
 
   rms_norm_rows(x, attn_norm, h, rows, hidden, eps);
   matrix_product(mats[0], kinds[0], quantize_x, h, qkv, rows, fused, hidden);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long r = 0; r < rows; r++) {
     float* row = qkv + r * fused;
     rotate_heads(row, cos + r * dim, sin + r * dim, heads, dim);                 /* q */
@@ -509,16 +530,19 @@ void labkit_decoder_layer_blocks(
   labkit_paged_attention(keys, values, tables, tiles, q, attn, num_tiles, width, block_size,
                          kv_heads, heads / kv_heads, dim, 1.0f / sqrtf((float)dim));
   matrix_product(mats[1], kinds[1], quantize_x, attn, delta, rows, hidden, q_width);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long i = 0; i < rows * hidden; i++) x[i] += delta[i];
 
   rms_norm_rows(x, mlp_norm, h, rows, hidden, eps);
   matrix_product(mats[2], kinds[2], quantize_x, h, gate_up, rows, 2 * intermediate, hidden);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long r = 0; r < rows; r++)
     for (long i = 0; i < intermediate; i++) {
       const float g = gate_up[r * 2 * intermediate + i], u = gate_up[r * 2 * intermediate + intermediate + i];
       act[r * intermediate + i] = g / (1.0f + expf(-g)) * u;
     }
   matrix_product(mats[3], kinds[3], quantize_x, act, delta, rows, hidden, intermediate);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long i = 0; i < rows * hidden; i++) x[i] += delta[i];
 
   free(h), free(qkv), free(q), free(attn), free(gate_up), free(act), free(delta);
