@@ -88,7 +88,7 @@ def test_cli_generates_on_the_files_blocks(model):
     tokens are that model's, and on this prompt they part from float32's within 16 tokens."""
     from labkit.engine.backends import backend_for
 
-    prompt, params = "List three colours:", SamplingParams(temperature=0.0, max_tokens=16)
+    prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=16)
     out = subprocess.run([sys.executable, "-m", "labkit.cli", "generate", prompt, "--max-tokens", "16",
                           "--json", "--weights", "gguf-int8"], capture_output=True, text=True, check=True)
     rounded = generate(backend_for(True, "gguf-int8").prepare(model), prompt, params).token_ids

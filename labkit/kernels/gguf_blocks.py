@@ -180,11 +180,11 @@ class PagedSteps(Protocol):
 
 
 class BlockLlama(Llama):
-    """A `Llama` on the file's blocks whose decode steps of up to `max_rows` rows on a paged
-    pool with labkit's kernels run each layer in one C call (`native.decoder_layer_blocks`):
-    the same arithmetic as `decoder_layer`, without PyTorch's cost per small operation,
-    which was larger than the 4-bit matrix products themselves. Every other step is
-    `Llama.forward`."""
+    """A `Llama` on the file's blocks whose steps of up to `max_rows` rows (a few with float32
+    x, every step with 8-bit x: `default_max_rows`) on a paged pool with labkit's kernels
+    run each layer in one C call (`native.decoder_layer_blocks`): the same arithmetic as
+    `decoder_layer`, without PyTorch's cost per small operation, which was larger than the
+    4-bit matrix products themselves. Every other step is `Llama.forward`."""
 
     @classmethod
     def from_llama(cls, model: Llama, quantize_x: bool, max_rows: int) -> "BlockLlama":

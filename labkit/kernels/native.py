@@ -33,8 +33,8 @@ with x in float32 it is the float32 product to rounding; with x rounded to 8 bit
 it multiplies bytes by bytes as llama.cpp does (`csrc/gguf_blocks.c` explains both;
 `labkit.kernels.gguf_blocks` puts them in the model).
 
-The C sources are `labkit/kernels/csrc/labkit_kernels.c` and `gguf_blocks.c`, shipped with
-the package as data and read with `importlib.resources` (so it is found in a checkout and in an
+The C sources are `labkit/kernels/csrc/labkit_kernels.c`, `gguf_blocks.c` and `gguf_layer.c`
+(a decoder layer in one call, `decoder_layer_blocks`), shipped with the package as data and read with `importlib.resources` (so it is found in a checkout and in an
 installed wheel alike). They are compiled once with the system C compiler (`$CC`, default
 `cc`) into `$LABKIT_CACHE/kernels/` and loaded with ctypes; the library's file name
 carries a digest of the source text and the compile flags, so an edited source is rebuilt.
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE_FILES = ("labkit_kernels.c", "gguf_blocks.c")  # in the package's csrc/ folder, as data
+SOURCE_FILES = ("labkit_kernels.c", "gguf_blocks.c", "gguf_layer.c")  # in csrc/, as package data
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 4  # beyond a few rows a blocked GEMM (oneDNN, MKL) reuses weights better
 

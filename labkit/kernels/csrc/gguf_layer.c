@@ -1,0 +1,123 @@
+/* A whole decoder layer in one call, on the model file's blocks (labkit/kernels/native.py
+   compiles this file with labkit_kernels.c and gguf_blocks.c, whose kernels it calls). */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+void labkit_gemv_q4_1(const unsigned char* W, const float* X, float* Y, long rows, long out,
+                      long n);
+void labkit_gemv_q8_0(const unsigned char* W, const float* X, float* Y, long rows, long out,
+                      long n);
+void labkit_gemv_q4_1_q8(const unsigned char* W, const float* X, float* Y, long rows,
+                         long out, long n);
+void labkit_gemv_q8_0_q8(const unsigned char* W, const float* X, float* Y, long rows,
+                         long out, long n);
+void labkit_gemv_q4_1x8_q8(const unsigned char* W, const float* X, float* Y, long rows,
+                           long out, long n);
+
+/* ---- a whole decoder layer for a decode step, on the blocks -----------------------------
+
+   For a step of a few rows, PyTorch's per-operation cost (some 45 small operations a layer)
+   took longer than the matrix products themselves once the weights were 4-bit. This is the
+   layer of labkit.models.llama.decoder_layer in one call, for rows of the paged engine:
+     h = rms_norm(x) * attn_norm;  q, k, v = h Wqkv;  rotate q, k (RoPE, half-split pairs);
+     store k, v at their (block, slot);  a = paged attention of q;  x += a Wo;
+     h = rms_norm(x) * mlp_norm;  g, u = h Wgate_up;  x += (silu(g) * u) Wdown.
+   x [rows, hidden] is updated in place. Each matrix is (blocks, kind) with kind 0 = Q4_1,
+   1 = Q8_0, 2 = Q4_1 regrouped by eight rows (8-bit activations only); `quantize_x` picks the 8-bit activation kernels. cos, sin: [rows, head_dim]. */
+
+void labkit_paged_attention(const float* keys, const float* values, const long* tables,
+                            const long* tiles, const float* q, float* out, long num_tiles,
+                            long width, long block_size, long kv_heads, long group, long dim,
+                            float scale);
+
+static void matrix_product(const unsigned char* W, long kind, long quantize_x, const float* X,
+                           float* Y, long rows, long out, long n) {
+  if (kind == 2)
+    labkit_gemv_q4_1x8_q8(W, X, Y, rows, out, n);
+  else if (kind == 0)
+    (quantize_x ? labkit_gemv_q4_1_q8 : labkit_gemv_q4_1)(W, X, Y, rows, out, n);
+  else
+    (quantize_x ? labkit_gemv_q8_0_q8 : labkit_gemv_q8_0)(W, X, Y, rows, out, n);
+}
+
+/* The elementwise work of a layer: split over the threads once a step has many rows
+   (prefill), left on the calling thread for a few (decode), where waking the team costs
+   more than the work. */
+#define MANY_ROWS 8
+
+static void rms_norm_rows(const float* x, const float* weight, float* h, long rows, long n,
+                          float eps) {
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
+  for (long r = 0; r < rows; r++) {
+    float squares = 0.0f;
+    for (long i = 0; i < n; i++) squares += x[r * n + i] * x[r * n + i];
+    const float inverse = 1.0f / sqrtf(squares / (float)n + eps);
+    for (long i = 0; i < n; i++) h[r * n + i] = weight[i] * (x[r * n + i] * inverse);
+  }
+}
+
+static void rotate_heads(float* v, const float* cos, const float* sin, long heads, long dim) {
+  const long half = dim / 2;
+  for (long h = 0; h < heads; h++) {
+    float* p = v + h * dim;
+    for (long i = 0; i < half; i++) {
+      const float a = p[i], b = p[i + half];
+      p[i] = a * cos[i] - b * sin[i];
+      p[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
+
+void labkit_decoder_layer_blocks(
+    float* x, long rows, long hidden, long heads, long kv_heads, long dim, long intermediate,
+    float eps, const float* attn_norm, const float* mlp_norm, const unsigned char* const* mats,
+    const long* kinds, long quantize_x, const float* cos, const float* sin, float* keys,
+    float* values, const long* new_blocks, const long* new_slots, const long* tables,
+    const long* tiles, long num_tiles, long width, long block_size) {
+  const long q_width = heads * dim, kv_width = kv_heads * dim, fused = q_width + 2 * kv_width;
+  float* h = malloc(sizeof(float) * rows * hidden);
+  float* qkv = malloc(sizeof(float) * rows * fused);
+  float* q = malloc(sizeof(float) * rows * q_width);
+  float* attn = malloc(sizeof(float) * rows * q_width);
+  float* gate_up = malloc(sizeof(float) * rows * 2 * intermediate);
+  float* act = malloc(sizeof(float) * rows * intermediate);
+  float* delta = malloc(sizeof(float) * rows * hidden);
+
+  rms_norm_rows(x, attn_norm, h, rows, hidden, eps);
+  matrix_product(mats[0], kinds[0], quantize_x, h, qkv, rows, fused, hidden);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
+  for (long r = 0; r < rows; r++) {
+    float* row = qkv + r * fused;
+    rotate_heads(row, cos + r * dim, sin + r * dim, heads, dim);                 /* q */
+    rotate_heads(row + q_width, cos + r * dim, sin + r * dim, kv_heads, dim);    /* k */
+    memcpy(q + r * q_width, row, sizeof(float) * q_width);
+    for (long g = 0; g < kv_heads; g++) {
+      const long block = new_blocks[r], slot = new_slots[r];
+      float* kb = keys + ((block * kv_heads + g) * dim) * block_size;    /* [dim, block_size] */
+      float* vb = values + ((block * kv_heads + g) * block_size + slot) * dim;
+      for (long d = 0; d < dim; d++) kb[d * block_size + slot] = row[q_width + g * dim + d];
+      memcpy(vb, row + q_width + kv_width + g * dim, sizeof(float) * dim);
+    }
+  }
+  labkit_paged_attention(keys, values, tables, tiles, q, attn, num_tiles, width, block_size,
+                         kv_heads, heads / kv_heads, dim, 1.0f / sqrtf((float)dim));
+  matrix_product(mats[1], kinds[1], quantize_x, attn, delta, rows, hidden, q_width);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
+  for (long i = 0; i < rows * hidden; i++) x[i] += delta[i];
+
+  rms_norm_rows(x, mlp_norm, h, rows, hidden, eps);
+  matrix_product(mats[2], kinds[2], quantize_x, h, gate_up, rows, 2 * intermediate, hidden);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
+  for (long r = 0; r < rows; r++)
+    for (long i = 0; i < intermediate; i++) {
+      const float g = gate_up[r * 2 * intermediate + i], u = gate_up[r * 2 * intermediate + intermediate + i];
+      act[r * intermediate + i] = g / (1.0f + expf(-g)) * u;
+    }
+  matrix_product(mats[3], kinds[3], quantize_x, act, delta, rows, hidden, intermediate);
+  #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
+  for (long i = 0; i < rows * hidden; i++) x[i] += delta[i];
+
+  free(h), free(qkv), free(q), free(attn), free(gate_up), free(act), free(delta);
+}
