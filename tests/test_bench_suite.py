@@ -67,20 +67,3 @@ def test_a_figure_that_could_not_run_says_why_and_is_no_miss():
     assert f.passed is None and f.line().startswith("[NOT_RUN]") and "not installed" in f.line()
     assert figure("lowbit", "x", 1.0, 1.0, "s", 1.3, ">= 1.25").passed is True
 
-
-@pytest.mark.slow
-def test_lowbit_decode_without_llama_cpp_marks_its_row_not_run(monkeypatch):
-    """The real model in quick sizes: every weights mode decodes, and with llama.cpp absent
-    the comparison with it is NOT_RUN with the reason, not a miss."""
-    import labkit
-    from labkit.bench import lowbit
-    from labkit.bench.suite import figure
-    from labkit.eval import eval_text
-
-    monkeypatch.setattr(lowbit, "why_not_llama_cpp", lambda: "llama-cpp-python is not installed")
-    model = labkit.load_model()
-    quick = Bench(model, model.tokenizer.encode(eval_text())[:2000], reference=None, quick=True)
-    figures = lowbit.decode(quick, figure)
-    assert [f.passed is None for f in figures] == [False, False, True]
-    assert figures[-1].not_run == "llama-cpp-python is not installed"
-    assert all(f.value > 0 for f in figures) and set(figures[0].details["tokens_per_s"]) == {"f32", "gguf", "gguf-int8"}

@@ -141,20 +141,6 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's `malloc_trim`; elsewhere
-    nothing). Memory freed earlier but still resident would otherwise serve a new allocation
-    without raising the resident size, hiding it from `PeakMemory`."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
-
-
 class PeakMemory:
     """Peak resident memory above the starting level while a block runs.
 
@@ -184,7 +170,6 @@ class PeakMemory:
         import gc
 
         gc.collect()
-        trim_heap()
         self.start_rss = self.peak_rss = rss_bytes()
         if self.device is not None and torch.device(self.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -1,0 +1,26 @@
+"""`labkit bench lowbit` on the real model in quick sizes: the weights modes decode, and a
+peer that is not installed makes its row NOT_RUN with the reason, never a miss.
+
+(Kept apart from test_bench_suite.py, and sorted after test_experiments_*: the engines it
+builds leave freed memory resident in the C heap, which hid chapter 8's score tensor from
+the resident-size peak that test_experiments_attention_cost measures.)"""
+
+import pytest
+
+import labkit
+from labkit.bench import lowbit
+from labkit.bench.suite import Bench, figure
+from labkit.eval import eval_text
+
+
+@pytest.mark.slow
+def test_lowbit_decode_without_llama_cpp_marks_its_row_not_run(monkeypatch):
+    """The real model in quick sizes: every weights mode decodes, and with llama.cpp absent
+    the comparison with it is NOT_RUN with the reason, not a miss."""
+    monkeypatch.setattr(lowbit, "why_not_llama_cpp", lambda: "llama-cpp-python is not installed")
+    model = labkit.load_model()
+    quick = Bench(model, model.tokenizer.encode(eval_text())[:2000], reference=None, quick=True)
+    figures = lowbit.decode(quick, figure)
+    assert [f.passed is None for f in figures] == [False, False, True]
+    assert figures[-1].not_run == "llama-cpp-python is not installed"
+    assert all(f.value > 0 for f in figures) and set(figures[0].details["tokens_per_s"]) == {"f32", "gguf", "gguf-int8"}
