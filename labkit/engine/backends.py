@@ -49,8 +49,6 @@ class FastBackend(ReferenceBackend):
 
 
 class GGUFBackend(FastBackend):
-    name = "gguf"
-
     def __init__(self, quantize_x: bool = False):
         self.quantize_x = quantize_x
         self.name = "gguf-int8" if quantize_x else "gguf"
