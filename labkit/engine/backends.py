@@ -14,6 +14,11 @@
   packed float32 weights, which are those blocks' values. `quantize_x=True` (weights
   "gguf-int8") also rounds the activations to 8 bits a block and multiplies bytes by bytes,
   llama.cpp's scheme: faster, no longer the float32 model's numbers.
+- `BF16Backend`: the fast backend on bfloat16 weights and activations with float32 sums
+  (`labkit.kernels.bf16_weights`): a step of a few rows reads the bfloat16 rows in place.
+
+Every backend's pool holds float32 or bfloat16 keys and values (`EngineConfig.kv_dtype`);
+labkit's C attention reads either.
 """
 
 from __future__ import annotations
@@ -73,16 +78,45 @@ class GGUFBackend(FastBackend):
                            quantize_x=self.quantize_x)
 
 
-# What EngineConfig.weights may say: float32 weights, or the model file's blocks with the
-# activations in float32 or rounded to 8 bits.
-WEIGHTS = ("f32", "gguf", "gguf-int8")
+class BF16Backend(FastBackend):
+    name = "bf16"
+
+    def prepare(self, model: ServedModel) -> ServedModel:
+        """The model on bfloat16 weights. ValueError where the C kernels do not build here or
+        the model is not float32 on the CPU."""
+        from labkit.kernels import native
+        from labkit.kernels.bf16_weights import bf16_model
+
+        if native.load() is None:
+            raise ValueError(f"weights='bf16' needs labkit's C kernels: {native.why_unavailable()}")
+        if model.dtype != torch.float32 or model.device.type != "cpu":
+            raise ValueError("weights='bf16' rounds a float32 model on the CPU")
+        return bf16_model(model)
+
+
+# What EngineConfig.weights may say: float32 weights, bfloat16 weights and activations, or
+# the model file's blocks with the activations in float32 or rounded to 8 bits.
+WEIGHTS = ("f32", "bf16", "gguf", "gguf-int8")
+# What EngineConfig.kv_dtype may say, and the pool's dtype for each.
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def kv_dtype_for(kv_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: `kv_dtype` ("f32", "bf16"), or the model's own when None."""
+    if kv_dtype is None:
+        return model_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {tuple(KV_DTYPES)} or None, got {kv_dtype!r}")
+    return KV_DTYPES[kv_dtype]
 
 
 def backend_for(fast_kernels: bool, weights: str = "f32") -> ReferenceBackend:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights != "f32" and not fast_kernels:
+        raise ValueError(f"weights={weights!r} runs on the fast kernels; fast_kernels=False is float32 only")
+    if weights == "bf16":
+        return BF16Backend()
     if weights.startswith("gguf"):
-        if not fast_kernels:
-            raise ValueError(f"weights={weights!r} runs on the fast kernels; fast_kernels=False is float32 only")
         return GGUFBackend(quantize_x=weights == "gguf-int8")
     return FastBackend() if fast_kernels else ReferenceBackend()

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence as Seq
 
-from labkit.engine.backends import backend_for
+from labkit.engine.backends import backend_for, kv_dtype_for
 from labkit.engine.block_manager import BlockManager
 from labkit.engine.interfaces import Backend, ServedModel
 from labkit.engine.limits import EngineLimits
@@ -40,7 +40,8 @@ class EngineConfig:
     fast_kernels: bool = True          # oneDNN-packed weights, labkit's C kernels (where they
                                        # build); False: F.linear and gather + SDPA
     weights: str = "f32"               # backends.WEIGHTS; "gguf", "gguf-int8": matrices read in
-                                       # the model file's own blocks
+                                       # the model file's own blocks; "bf16": bfloat16 matrices
+    kv_dtype: str | None = None        # backends.KV_DTYPES ("f32", "bf16"); None: the model's
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     backend: Backend | None = None     # overrides fast_kernels (labkit.engine.backends)
     transition_log: int = 10_000       # the state changes kept in `transitions` (the newest)
@@ -141,11 +142,12 @@ class LLMEngine:
         if c.num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
         self.backend = c.backend or backend_for(c.fast_kernels, c.weights)
+        kv_dtype = kv_dtype_for(c.kv_dtype, model.dtype)
         self.model = self.backend.prepare(model)
         self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         self.limits = EngineLimits(self.max_model_len, c.block_size, c.num_blocks, model.config.vocab_size)
-        self.pool = self.backend.new_pool(model.config, c.num_blocks, c.block_size, model.dtype, model.device)
+        self.pool = self.backend.new_pool(model.config, c.num_blocks, c.block_size, kv_dtype, model.device)
         self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
         self.runner = ModelRunner(self.model, self.pool, self.backend)

@@ -41,9 +41,14 @@ class KVPool:
         layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
         self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=self.device)
         self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=self.device)
-        # Attention by labkit's C kernel where it builds (float32 on the CPU), else gather + SDPA.
-        self.native = (native_attention and dtype == torch.float32 and self.device.type == "cpu"
-                       and native.load() is not None)
+        # Attention by labkit's C kernel where it builds (float32 or bfloat16 entries on the
+        # CPU), else gather + SDPA.
+        self.native = (native_attention and dtype in (torch.float32, torch.bfloat16)
+                       and self.device.type == "cpu" and native.load() is not None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
 
     @property
     def bytes_per_token(self) -> int:
@@ -61,9 +66,10 @@ class KVPool:
 
     def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys and values k, v [N, kv_heads, D] at (blocks[i], slots[i])."""
-        self.keys[layer][blocks, :, :, slots] = k
-        self.values[layer][blocks, :, slots, :] = v
+        """Store new keys and values k, v [N, kv_heads, D] at (blocks[i], slots[i]), rounded
+        to the pool's dtype."""
+        self.keys[layer][blocks, :, :, slots] = k.to(self.keys.dtype)
+        self.values[layer][blocks, :, slots, :] = v.to(self.values.dtype)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of these blocks, in order: each [..., kv_heads, len * block_size, D]."""
@@ -136,18 +142,19 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, kv_heads, group, N, D]; k, v: [1, kv_heads, N, D] for the N packed tokens
         self.pool.write(layer, self.new_blocks, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        if self.native:
+        if self.native:  # the kernel takes float32 queries whatever the model's dtype
             out = native.paged_attention(self.pool.keys[layer], self.pool.values[layer], self.tables,
-                                         self.tiles, q[0].permute(2, 0, 1, 3), checked=True)
-            return out.permute(1, 2, 0, 3).unsqueeze(0)
+                                         self.tiles, q[0].permute(2, 0, 1, 3).float(), checked=True)
+            return out.permute(1, 2, 0, 3).unsqueeze(0).to(q.dtype)
         if self.decode_only:
             return self._decode(layer, q[0].permute(2, 0, 1, 3)).permute(1, 2, 0, 3).unsqueeze(0)
         out = torch.empty_like(q)
         for s in self.prefill:
-            if s.start == 0:  # a whole prompt: plain causal attention over its own k, v
-                out[:, :, :, s.rows] = causal_attention(q[:, :, :, s.rows], k[:, :, s.rows], v[:, :, s.rows])
+            if s.start == 0:  # a whole prompt: plain causal attention over its own k, v, as stored
+                kk, vv = (self._as_stored(t[:, :, s.rows]) for t in (k, v))
+                out[:, :, :, s.rows] = causal_attention(q[:, :, :, s.rows], kk, vv)
                 continue
-            kk, vv = self.pool.gather(layer, s.blocks)  # [kv_heads, S', D]
+            kk, vv = self._gather(layer, s.blocks, q.dtype)  # [kv_heads, S', D]
             kk, vv = kk[None, :, :s.length], vv[None, :, :s.length]
             out[:, :, :, s.rows] = grouped_attention(q[:, :, :, s.rows], kk, vv, s.start)
         if len(self.decode_rows):
@@ -157,9 +164,17 @@ class PagedBatch:
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, kv_heads, group, D]: each decode row's one query over its whole context."""
-        kk, vv = self.pool.gather(layer, self.decode_blocks)  # [B, kv_heads, S', D]
+        kk, vv = self._gather(layer, self.decode_blocks, q.dtype)  # [B, kv_heads, S', D]
         kk, vv = kk[:, :, :self.decode_len], vv[:, :, :self.decode_len]
         return F.scaled_dot_product_attention(q, kk, vv, attn_mask=self.decode_mask)
+
+    def _as_stored(self, t: torch.Tensor) -> torch.Tensor:
+        """t as the pool holds it (rounded to its dtype), in t's dtype."""
+        return t.to(self.pool.dtype).to(t.dtype)
+
+    def _gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kk, vv = self.pool.gather(layer, blocks)
+        return kk.to(dtype), vv.to(dtype)
 
     def native_layer(self, layer: int) -> native.PagedLayer:
         """Layer `layer` of the pool with this step's slots, tables and tiles, for a kernel

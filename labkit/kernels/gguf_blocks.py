@@ -66,6 +66,12 @@ def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(scaled) * step).reshape(x.shape)
 
 
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest bfloat16 (halves to even), kept in x's dtype: what the BF16
+    kernel does to x before it multiplies."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
 def default_max_rows(quantize_x: bool, max_rows: int | None = None) -> int:
     """Up to how many rows of x a product reads the blocks, unless told: a few with float32
     x (beyond that oneDNN's float32 GEMM is faster); every step with 8-bit x, whose kernel
@@ -94,9 +100,10 @@ def regroup_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 
 class BlockLinear(torch.nn.Module):
-    """x W^T with W kept as GGUF blocks: up to `max_rows` rows of x read the blocks in place
-    (C kernel; `quantize_x` rounds x to 8 bits a block first); more rows go to `dense`, a
-    module computing the same product on float32 weights."""
+    """x W^T with W kept as GGUF blocks (or bfloat16 rows, kind "BF16"): up to `max_rows`
+    rows of x read them in place (C kernel; `quantize_x` rounds x to 8 bits a block first,
+    "BF16" rounds x to bfloat16); more rows go to `dense`, a module computing the same
+    product on float32 weights of the same values, after the same rounding of x."""
 
     def __init__(self, kind: str, blocks: torch.Tensor, dense: torch.nn.Module | torch.Tensor,
                  quantize_x: bool = False, max_rows: int | None = None):
@@ -114,6 +121,8 @@ class BlockLinear(torch.nn.Module):
             return native.gemv_blocks(x, self.blocks, self.kind, self.quantize_x)
         if self.quantize_x:  # the same rounding on every path: one model, whatever the batch
             x = round_to_int8_blocks(x)
+        elif self.kind == "BF16":
+            x = round_to_bf16(x)
         dense = self.dense
         return dense(x) if isinstance(dense, torch.nn.Module) else torch.nn.functional.linear(x, dense)
 

@@ -33,8 +33,13 @@ with x in float32 it is the float32 product to rounding; with x rounded to 8 bit
 it multiplies bytes by bytes as llama.cpp does (`csrc/gguf_blocks.c` explains both;
 `labkit.kernels.gguf_blocks` puts them in the model).
 
-The C sources are `labkit/kernels/csrc/labkit_kernels.c`, `gguf_blocks.c` and `gguf_layer.c`
-(a decoder layer in one call, `decoder_layer_blocks`), shipped with the package as data and read with `importlib.resources` (so it is found in a checkout and in an
+**bfloat16.** The same product on bfloat16 weights with x rounded to bfloat16 (`"BF16"`,
+`csrc/bf16.c`), and paged attention over a pool of bfloat16 keys and values, each block
+widened to float32 as it is read.
+
+The C sources are `labkit/kernels/csrc/labkit_kernels.c`, `gguf_blocks.c`, `gguf_layer.c`
+(a decoder layer in one call, `decoder_layer_blocks`) and `bf16.c`, shipped with the package
+as data and read with `importlib.resources` (so it is found in a checkout and in an
 installed wheel alike). They are compiled once with the system C compiler (`$CC`, default
 `cc`) into `$LABKIT_CACHE/kernels/` and loaded with ctypes; the library's file name
 carries a digest of the source text and the compile flags, so an edited source is rebuilt.
@@ -58,24 +63,27 @@ from pathlib import Path
 
 import torch
 
-SOURCE_FILES = ("labkit_kernels.c", "gguf_blocks.c", "gguf_layer.c")  # in csrc/, as package data
+SOURCE_FILES = ("labkit_kernels.c", "gguf_blocks.c", "gguf_layer.c", "bf16.c")  # in csrc/, as package data
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 4  # beyond a few rows a blocked GEMM (oneDNN, MKL) reuses weights better
 
 _state: dict = {}
 _SIGNATURES = {
     "labkit_gemv": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
-    "labkit_paged_attention": [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float],
+    **{name: [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
+       for name in ("labkit_paged_attention", "labkit_paged_attention_bf16")},
     **{f"labkit_gemv_{kind}{x}": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
        for kind in ("q4_1", "q8_0") for x in ("", "_q8")},
-    "labkit_gemv_q4_1x8_q8": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
+    **{name: [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 for name in ("labkit_gemv_q4_1x8_q8", "labkit_gemv_bf16")},
     "labkit_decoder_layer_blocks": ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_long] * 5 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 8
-                                    + [ctypes.c_long] * 3),
+                                    + [ctypes.c_long] * 4),
 }
-# GGUF block formats the kernels read in place: weights per block, bytes per block. Q4_1x8:
+# Weight formats the kernels read in place: weights per block, bytes per block. Q4_1x8:
 # Q4_1 with each eight rows' blocks regrouped (`gguf_blocks.regroup_q4_1`), 8-bit x only.
-BLOCK_FORMATS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_1x8": (32, 20)}
+# BF16: plain bfloat16 rows (counted in blocks of 32 to share the checks), with x rounded to
+# bfloat16 by the kernel (`csrc/bf16.c`; `labkit.kernels.bf16_weights`).
+BLOCK_FORMATS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_1x8": (32, 20), "BF16": (32, 64)}
 
 
 def _read_sources() -> dict[str, str]:
@@ -155,7 +163,8 @@ def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bo
                 lib=None) -> torch.Tensor:
     """x W^T where W is stored as GGUF blocks of `kind` ("Q4_1" or "Q8_0"): `blocks` is
     uint8 [out, n / 32 * bytes per block], each row the file's blocks of one output; x is
-    float32 [..., n]. The weights are never expanded to floats in memory. `quantize_x`
+    float32 [..., n] ("BF16": bfloat16 rows viewed as bytes, x rounded to bfloat16 by the
+    kernel). The weights are never expanded to floats in memory. `quantize_x`
     rounds x to 8 bits per block of 32 first and multiplies bytes by bytes (llama.cpp's
     scheme: faster, less exact); otherwise x stays float32. `lib`: another build of the
     kernels (`compile_library`), for tests."""
@@ -172,6 +181,8 @@ def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bo
         raise ValueError(f"x has {x.shape[-1]} features, the blocks hold {n}")
     if kind == "Q4_1x8" and not (quantize_x and out % 8 == 0):
         raise ValueError("Q4_1x8 blocks are read with 8-bit x only, eight rows at a time")
+    if kind == "BF16" and quantize_x:
+        raise ValueError("BF16 rows are read with x rounded to bfloat16, not to 8 bits")
     x, blocks = x.contiguous(), blocks.contiguous()
     y = torch.empty(*x.shape[:-1], out, dtype=torch.float32)
     kernel = getattr(lib, f"labkit_gemv_{kind.lower()}{'_q8' if quantize_x else ''}")
@@ -182,7 +193,8 @@ def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bo
 @dataclass
 class PagedLayer:
     """One layer of a paged KV pool as a step's kernels see it: the layer's keys [blocks,
-    kv_heads, D, block_size] and values [blocks, kv_heads, block_size, D], where each new
+    kv_heads, D, block_size] and values [blocks, kv_heads, block_size, D] (float32 or
+    bfloat16, both the same), where each new
     token goes (block and slot, int64 [rows]), and the step's checked tables and tiles
     (`check_tiles`)."""
     keys: torch.Tensor
@@ -227,7 +239,16 @@ def decoder_layer_blocks(x: torch.Tensor, weights: BlockLayerWeights, shape, cos
         shape.intermediate_size, shape.rms_norm_eps, weights.attn_norm.data_ptr(), weights.mlp_norm.data_ptr(),
         weights.pointers, weights.kind_codes.data_ptr(), int(weights.quantize_x), cos.data_ptr(), sin.data_ptr(),
         kv.keys.data_ptr(), kv.values.data_ptr(), kv.new_blocks.data_ptr(), kv.new_slots.data_ptr(),
-        kv.tables.data_ptr(), kv.tiles.data_ptr(), kv.tiles.shape[0], kv.tables.shape[1], kv.keys.shape[-1])
+        kv.tables.data_ptr(), kv.tiles.data_ptr(), kv.tiles.shape[0], kv.tables.shape[1], kv.keys.shape[-1],
+        int(_kv_bf16(kv.keys, kv.values)))
+
+
+def _kv_bf16(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the pool holds bfloat16 (else float32); ValueError for anything else."""
+    dtypes = {keys.dtype, values.dtype}
+    if dtypes not in ({torch.float32}, {torch.bfloat16}) or not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the C kernels read contiguous float32 or bfloat16 keys and values (the same)")
+    return dtypes == {torch.bfloat16}
 
 
 TILE_ROWS = 16  # query rows of one sequence that share each block read (x group heads)
@@ -243,33 +264,35 @@ def tiles_for(segments: list[tuple[int, int, int, int]], tile_rows: int = TILE_R
 
 
 def paged_attention(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                    tiles: torch.Tensor, q: torch.Tensor, checked: bool = False) -> torch.Tensor:
+                    tiles: torch.Tensor, q: torch.Tensor, checked: bool = False, lib=None) -> torch.Tensor:
     """Causal attention of packed query rows over their sequences' paged context.
 
     keys: one layer of the pool [blocks, kv_heads, D, block_size] (keys transposed in each
-    block); values [blocks, kv_heads, block_size, D]; both contiguous float32.
+    block); values [blocks, kv_heads, block_size, D]; both contiguous, float32 or both
+    bfloat16 (widened a block at a time as they are read). q float32.
     tables: int64 [batch, width], block ids (entries past what a tile reads are not read).
     tiles: int64 [T, 4] from `tiles_for`: (table row, first row, rows, first row's position);
     a row at position p attends to positions 0 .. p of its sequence, which must already be
     in the pool. The tiles must cover the rows of q exactly once.
     q: [rows, kv_heads, group, D]. Returns [rows, kv_heads, group, D].
-    `checked=True` skips the checks (the caller ran `check_tiles` once for all layers)."""
-    lib = _require()
+    `checked=True` skips the checks (the caller ran `check_tiles` once for all layers).
+    `lib`: another build of the kernels (`compile_library`), for tests."""
+    lib = lib or _require()
     blocks, kv_heads, dim, block_size = keys.shape
     rows, heads, group, qdim = q.shape
     if (values.shape != (blocks, kv_heads, block_size, dim) or heads != kv_heads or qdim != dim
             or not keys.is_contiguous() or not values.is_contiguous()):
         raise ValueError("keys [blocks, kv_heads, D, block_size] and values [blocks, kv_heads, "
                          "block_size, D] must be contiguous and match q [rows, kv_heads, group, D]")
-    if {keys.dtype, values.dtype, q.dtype} != {torch.float32}:
-        raise ValueError("the C kernel takes float32 tensors")
+    if q.dtype != torch.float32:
+        raise ValueError("the C kernel takes float32 queries")
+    kernel = lib.labkit_paged_attention_bf16 if _kv_bf16(keys, values) else lib.labkit_paged_attention
     if not checked:
         tables, tiles = check_tiles(tables, tiles, rows, blocks, block_size, group, dim)
     q = q.contiguous()
     out = torch.empty_like(q)
-    lib.labkit_paged_attention(keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tiles.data_ptr(),
-                               q.data_ptr(), out.data_ptr(), tiles.shape[0], tables.shape[1], block_size,
-                               kv_heads, group, dim, dim ** -0.5)
+    kernel(keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tiles.data_ptr(), q.data_ptr(), out.data_ptr(),
+           tiles.shape[0], tables.shape[1], block_size, kv_heads, group, dim, dim ** -0.5)
     return out
 
 

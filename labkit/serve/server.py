@@ -39,7 +39,7 @@ def read_api_keys(path: str | Path) -> list[str]:
 def engine_fields(args) -> dict:
     fields = {"kv_cache_tokens": args.kv_cache_tokens, "block_size": args.block_size,
               "prefix_caching": not args.no_prefix_caching, "fast_kernels": not args.reference_kernels,
-              "weights": args.weights}
+              "weights": args.weights, "kv_dtype": args.kv_dtype}
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
     fields["scheduler"] = {"max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_batched_tokens}
@@ -210,7 +210,7 @@ class ServerProcess:
 
 
 def add_arguments(parser) -> None:
-    from labkit.engine.backends import WEIGHTS
+    from labkit.engine.backends import KV_DTYPES, WEIGHTS
     from labkit.engine.llm_engine import EngineConfig
     from labkit.engine.scheduler import SchedulerConfig
     from labkit.serve.admission import QUEUE_POLICIES
@@ -231,8 +231,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--reference-kernels", action="store_true", help="F.linear and SDPA, not the C kernels")
     parser.add_argument("--weights", choices=WEIGHTS, default=defaults.weights,
-                        help="f32, or the model file's own blocks (gguf; gguf-int8 also rounds "
-                             "activations to 8 bits)")
+                        help="f32; bf16 (matrices and their inputs in bfloat16); or the model file's own "
+                             "blocks (gguf; gguf-int8 also rounds activations to 8 bits)")
+    parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=defaults.kv_dtype,
+                        help="the KV cache's dtype (default: the model's)")
     parser.add_argument("--in-process", action="store_true", help="run the engine in the server's process")
     parser.add_argument("--naive", action="store_true",
                         help="serve the deliberately naive foil: transformers generate with framework defaults")

@@ -15,6 +15,9 @@ void labkit_gemv_q8_0_q8(const unsigned char* W, const float* X, float* Y, long 
                          long out, long n);
 void labkit_gemv_q4_1x8_q8(const unsigned char* W, const float* X, float* Y, long rows,
                            long out, long n);
+void labkit_gemv_bf16(const unsigned short* W, const float* X, float* Y, long rows, long out,
+                      long n);
+unsigned short labkit_bf16_from_float(float x);
 
 /* ---- a whole decoder layer for a decode step, on the blocks -----------------------------
 
@@ -25,16 +28,25 @@ void labkit_gemv_q4_1x8_q8(const unsigned char* W, const float* X, float* Y, lon
      store k, v at their (block, slot);  a = paged attention of q;  x += a Wo;
      h = rms_norm(x) * mlp_norm;  g, u = h Wgate_up;  x += (silu(g) * u) Wdown.
    x [rows, hidden] is updated in place. Each matrix is (blocks, kind) with kind 0 = Q4_1,
-   1 = Q8_0, 2 = Q4_1 regrouped by eight rows (8-bit activations only); `quantize_x` picks the 8-bit activation kernels. cos, sin: [rows, head_dim]. */
+   1 = Q8_0, 2 = Q4_1 regrouped by eight rows (8-bit activations only), 3 = bfloat16 rows
+   (bf16.c: activations rounded to bfloat16); `quantize_x` picks the 8-bit activation
+   kernels. cos, sin: [rows, head_dim]. keys and values are float32, or bfloat16 where
+   `kv_bf16` (each new entry rounded to the nearest bfloat16 as it is stored). */
 
 void labkit_paged_attention(const float* keys, const float* values, const long* tables,
                             const long* tiles, const float* q, float* out, long num_tiles,
                             long width, long block_size, long kv_heads, long group, long dim,
                             float scale);
+void labkit_paged_attention_bf16(const unsigned short* keys, const unsigned short* values,
+                                 const long* tables, const long* tiles, const float* q, float* out,
+                                 long num_tiles, long width, long block_size, long kv_heads,
+                                 long group, long dim, float scale);
 
 static void matrix_product(const unsigned char* W, long kind, long quantize_x, const float* X,
                            float* Y, long rows, long out, long n) {
-  if (kind == 2)
+  if (kind == 3)
+    labkit_gemv_bf16((const unsigned short*)W, X, Y, rows, out, n);
+  else if (kind == 2)
     labkit_gemv_q4_1x8_q8(W, X, Y, rows, out, n);
   else if (kind == 0)
     (quantize_x ? labkit_gemv_q4_1_q8 : labkit_gemv_q4_1)(W, X, Y, rows, out, n);
@@ -73,9 +85,9 @@ static void rotate_heads(float* v, const float* cos, const float* sin, long head
 void labkit_decoder_layer_blocks(
     float* x, long rows, long hidden, long heads, long kv_heads, long dim, long intermediate,
     float eps, const float* attn_norm, const float* mlp_norm, const unsigned char* const* mats,
-    const long* kinds, long quantize_x, const float* cos, const float* sin, float* keys,
-    float* values, const long* new_blocks, const long* new_slots, const long* tables,
-    const long* tiles, long num_tiles, long width, long block_size) {
+    const long* kinds, long quantize_x, const float* cos, const float* sin, void* keys,
+    void* values, const long* new_blocks, const long* new_slots, const long* tables,
+    const long* tiles, long num_tiles, long width, long block_size, long kv_bf16) {
   const long q_width = heads * dim, kv_width = kv_heads * dim, fused = q_width + 2 * kv_width;
   float* h = malloc(sizeof(float) * rows * hidden);
   float* qkv = malloc(sizeof(float) * rows * fused);
@@ -95,14 +107,28 @@ void labkit_decoder_layer_blocks(
     memcpy(q + r * q_width, row, sizeof(float) * q_width);
     for (long g = 0; g < kv_heads; g++) {
       const long block = new_blocks[r], slot = new_slots[r];
-      float* kb = keys + ((block * kv_heads + g) * dim) * block_size;    /* [dim, block_size] */
-      float* vb = values + ((block * kv_heads + g) * block_size + slot) * dim;
-      for (long d = 0; d < dim; d++) kb[d * block_size + slot] = row[q_width + g * dim + d];
-      memcpy(vb, row + q_width + kv_width + g * dim, sizeof(float) * dim);
+      const long k_at = ((block * kv_heads + g) * dim) * block_size + slot;  /* [dim, block_size] */
+      const long v_at = ((block * kv_heads + g) * block_size + slot) * dim;
+      const float* k_new = row + q_width + g * dim;
+      const float* v_new = row + q_width + kv_width + g * dim;
+      for (long d = 0; d < dim; d++) {
+        if (kv_bf16) {
+          ((unsigned short*)keys)[k_at + d * block_size] = labkit_bf16_from_float(k_new[d]);
+          ((unsigned short*)values)[v_at + d] = labkit_bf16_from_float(v_new[d]);
+        } else {
+          ((float*)keys)[k_at + d * block_size] = k_new[d];
+          ((float*)values)[v_at + d] = v_new[d];
+        }
+      }
     }
   }
-  labkit_paged_attention(keys, values, tables, tiles, q, attn, num_tiles, width, block_size,
-                         kv_heads, heads / kv_heads, dim, 1.0f / sqrtf((float)dim));
+  const float scale = 1.0f / sqrtf((float)dim);
+  if (kv_bf16)
+    labkit_paged_attention_bf16(keys, values, tables, tiles, q, attn, num_tiles, width, block_size,
+                                kv_heads, heads / kv_heads, dim, scale);
+  else
+    labkit_paged_attention(keys, values, tables, tiles, q, attn, num_tiles, width, block_size,
+                           kv_heads, heads / kv_heads, dim, scale);
   matrix_product(mats[1], kinds[1], quantize_x, attn, delta, rows, hidden, q_width);
   #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long i = 0; i < rows * hidden; i++) x[i] += delta[i];

@@ -4,6 +4,8 @@
 
 #include <math.h>
 
+void labkit_bf16_widen(const unsigned short* src, float* dst, long count);  /* bf16.c */
+
 /* Y[m, o] = sum_i W[o, i] * X[m, i]   W: out x n, X: rows x n, Y: rows x out, all row-major */
 void labkit_gemv(const float* W, const float* X, float* Y, long rows, long out, long n) {
   #pragma omp parallel for schedule(static)
@@ -171,13 +173,15 @@ static void values_16x64(const float* v, const float (*s)[16], float (*acc)[64],
    online softmax of chapter 13. Row i sees positions 0 .. p0+i (causal). Query vector
    qi = i * group + g is row i, head h * group + g; their count is padded to a multiple of
    4 with zero queries for the vector path. */
-static inline void attend_tile(const float* keys, const float* values, const long* table,
-                               const float* q, float* out, long n, long p0, long h, long heads,
-                               long group, long bs, long dim, long head_stride, long block_stride,
-                               float scale) {
+static inline void attend_tile(const void* keys, const void* values, int kv_bf16,
+                               const long* table, const float* q, float* out, long n, long p0,
+                               long h, long heads, long group, long bs, long dim, long head_stride,
+                               long block_stride, float scale) {
   const int fast = bs == 16 && dim == 64;
   const long nq = n * group, padded = (nq + 3) / 4 * 4;
+  const long entry = kv_bf16 ? 2 : 4, widened = kv_bf16 ? head_stride : 1;
   float qs[padded][dim], acc[padded][dim], s[padded][bs], best[padded], total[padded];
+  float k_wide[widened], v_wide[widened];  /* a bfloat16 block, widened to float32 */
   for (long qi = 0; qi < padded; qi++) {
     const float* src = q + ((qi / group) * heads + h * group + qi % group) * dim;
     for (long d = 0; d < dim; d++) qs[qi][d] = qi < nq ? src[d] * scale : 0.0f, acc[qi][d] = 0.0f;
@@ -186,13 +190,19 @@ static inline void attend_tile(const float* keys, const float* values, const lon
   const long last = p0 + n - 1;
   for (long j = 0; j * bs <= last; j++) {
     const long base = j * bs, offset = table[j] * block_stride + h * head_stride;
-    const float* k = keys + offset;   /* [dim][bs] */
-    const float* v = values + offset; /* [bs][dim] */
+    const float* k = (const float*)keys + offset;   /* [dim][bs] */
+    const float* v = (const float*)values + offset; /* [bs][dim] */
+    if (kv_bf16) {
+      labkit_bf16_widen((const unsigned short*)keys + offset, k_wide, head_stride);
+      labkit_bf16_widen((const unsigned short*)values + offset, v_wide, head_stride);
+      k = k_wide, v = v_wide;
+    }
     if ((j + 1) * bs <= last) {  /* ask for the next block now: tables scatter blocks, so the
                                     hardware prefetcher cannot guess where it is */
-      const long next = table[j + 1] * block_stride + h * head_stride;
-      for (long line = 0; line < head_stride; line += 16)
-        __builtin_prefetch(keys + next + line, 0, 3), __builtin_prefetch(values + next + line, 0, 3);
+      const char* next_k = (const char*)keys + (table[j + 1] * block_stride + h * head_stride) * entry;
+      const char* next_v = (const char*)values + (next_k - (const char*)keys);
+      for (long line = 0; line < head_stride * entry; line += 64)
+        __builtin_prefetch(next_k + line, 0, 3), __builtin_prefetch(next_v + line, 0, 3);
     }
     /* rows before base - p0 see none of this block; start at a multiple of 4 */
     const long first = (base > p0 ? base - p0 : 0) * group / 4 * 4;
@@ -235,7 +245,7 @@ static inline void attend_tile(const float* keys, const float* values, const lon
    tiles: [num_tiles, 4] of (table row b, first query row r0, row count n, position p0 of
    row r0): rows r0 .. r0+n-1 are positions p0 .. p0+n-1 of the sequence whose blocks
    tables[b] lists; tables: [batch, width]. Each (tile, KV head) is one task. */
-void labkit_paged_attention(const float* keys, const float* values, const long* tables,
+static void paged_attention(const void* keys, const void* values, int kv_bf16, const long* tables,
                             const long* tiles, const float* q, float* out, long num_tiles,
                             long width, long block_size, long kv_heads, long group, long dim,
                             float scale) {
@@ -249,11 +259,28 @@ void labkit_paged_attention(const float* keys, const float* values, const long* 
       const float* qt = q + tile[1] * heads * dim;
       float* ot = out + tile[1] * heads * dim;
       if (block_size == 16 && dim == 64)  /* constants, so the compiler unrolls */
-        attend_tile(keys, values, table, qt, ot, tile[2], tile[3], h, heads, group, 16, 64,
+        attend_tile(keys, values, kv_bf16, table, qt, ot, tile[2], tile[3], h, heads, group, 16, 64,
                     head_stride, block_stride, scale);
       else
-        attend_tile(keys, values, table, qt, ot, tile[2], tile[3], h, heads, group, block_size,
-                    dim, head_stride, block_stride, scale);
+        attend_tile(keys, values, kv_bf16, table, qt, ot, tile[2], tile[3], h, heads, group,
+                    block_size, dim, head_stride, block_stride, scale);
     }
   }
+}
+
+void labkit_paged_attention(const float* keys, const float* values, const long* tables,
+                            const long* tiles, const float* q, float* out, long num_tiles,
+                            long width, long block_size, long kv_heads, long group, long dim,
+                            float scale) {
+  paged_attention(keys, values, 0, tables, tiles, q, out, num_tiles, width, block_size, kv_heads,
+                  group, dim, scale);
+}
+
+/* The same over a pool of bfloat16 keys and values (each block widened as it is read). */
+void labkit_paged_attention_bf16(const unsigned short* keys, const unsigned short* values,
+                                 const long* tables, const long* tiles, const float* q, float* out,
+                                 long num_tiles, long width, long block_size, long kv_heads,
+                                 long group, long dim, float scale) {
+  paged_attention(keys, values, 1, tables, tiles, q, out, num_tiles, width, block_size, kv_heads,
+                  group, dim, scale);
 }

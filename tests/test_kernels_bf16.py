@@ -1,0 +1,185 @@
+"""bfloat16 in the engine: the BF16 weight kernel (`csrc/bf16.c`), `weights="bf16"`
+(`labkit.kernels.bf16_weights`) and a pool of bfloat16 keys and values
+(`EngineConfig.kv_dtype`), held to float64 products of the rounded operands, to PyTorch's
+rounding, and to the reference attention path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.engine.backends import KV_DTYPES, backend_for, kv_dtype_for
+from labkit.engine.llm_engine import EngineConfig, LLMEngine
+from labkit.engine.paged_cache import KVPool, PagedBatch
+from labkit.kernels import native
+from labkit.kernels.bf16_weights import bf16_model, bf16_rows, rounded_model
+from labkit.kernels.gguf_blocks import round_to_bf16
+from labkit.models.llama import Llama, decoder_layer
+from labkit.sampling import SamplingParams
+
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+PORTABLE = ("-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")
+
+
+def rounded_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What a bfloat16 GEMM with float32 sums computes, summed in float64."""
+    return F.linear(round_to_bf16(x).double(), round_to_bf16(w).double()).float()
+
+
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    return native.compile_library(tmp_path_factory.mktemp("portable"), PORTABLE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_the_bf16_kernel_multiplies_the_rounded_operands(rows, portable_lib):
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(72, 320, generator=g), torch.randn(rows, 320, generator=g)
+    want = rounded_product(x, w)
+    for lib in (None, portable_lib):  # AVX2 here, and the plain C loops other CPUs take
+        got = native.gemv_blocks(x, bf16_rows(w), "BF16", lib=lib)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (F.linear(x, w) - want).abs().max() > 1e-3  # the rounding is there to be seen
+
+
+@needs_kernels
+def test_the_kernel_rounds_x_as_pytorch_does():
+    """An identity matrix returns x as the kernel rounded it: nearest, halves to even."""
+    one_ulp = 2.0 ** -7  # bfloat16's step between 1 and 2
+    ties = torch.tensor([1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2), 1 + one_ulp * 0.51,
+                         3.0e38, 1e-40, 0.0, -0.0])
+    x = torch.cat([ties, torch.randn(24, generator=torch.Generator().manual_seed(1))])[None]
+    eye = bf16_rows(torch.eye(32))
+    assert torch.equal(native.gemv_blocks(x, eye, "BF16"), round_to_bf16(x))
+
+
+def test_the_bf16_kernel_refuses_8_bit_activations():
+    with pytest.raises(ValueError, match="bfloat16"):
+        native.gemv_blocks(torch.zeros(1, 32), bf16_rows(torch.zeros(4, 32)), "BF16", quantize_x=True)
+
+
+@needs_kernels
+def test_bf16_model_decodes_as_the_rounded_model_does(model):
+    """Decode steps through the C kernels (a few rows, one C call a layer) against the model
+    with its weights rounded and x rounded before oneDNN's products (max_rows=0: every
+    product there). Rounding x to bfloat16 makes the model chaotic at its own scale: a
+    last-bit difference in the order of the sums moves a value to the next bfloat16 (0.4%)
+    and the layers above carry it on, so two orders of the same sums part by about as much
+    as bfloat16 parts from float32 (chapter 12 measures this for 8 bits). So each path is
+    held to float32 as closely as the other, and to the same greedy tokens; the layers
+    themselves are compared in `test_the_c_layer_...` below."""
+    ids = model.tokenizer.encode("The capital of France is")
+    fast, dense = bf16_model(model), bf16_model(model, max_rows=0)
+
+    def step_logits(served):
+        pool = KVPool(model.config, 4, 16)
+        return torch.stack([served(torch.tensor([[t]]), cache=PagedBatch(pool, [[0, 1]], [i], [1]))[0, -1]
+                            for i, t in enumerate(ids)])
+
+    got, want, f32 = step_logits(fast), step_logits(dense), step_logits(model)
+    apart, apart_dense = (got - f32).abs().mean(), (want - f32).abs().mean()
+    assert 1e-2 < apart < 1.5 * apart_dense and apart_dense < 1.5 * apart
+    assert torch.equal(got.argmax(-1), f32.argmax(-1)) and torch.equal(want.argmax(-1), f32.argmax(-1))
+
+
+def test_rounded_model_leaves_the_original_alone(model):
+    before = model.layers[0].qkv.clone()
+    rounded = rounded_model(model)
+    assert torch.equal(model.layers[0].qkv, before)
+    assert torch.equal(rounded.layers[0].qkv, round_to_bf16(before))
+    assert rounded.lm_head is rounded.embed  # still tied
+
+
+@needs_kernels
+@pytest.mark.parametrize("lib", ["native", "portable"])
+def test_attention_over_a_bf16_pool_is_attention_over_its_widened_values(lib, portable_lib):
+    """The C kernel on bfloat16 keys and values against the float32 kernel on the same
+    values widened: the same arithmetic once a block is read."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(6, 3, 64, 16, generator=g).to(torch.bfloat16)
+    values = torch.randn(6, 3, 16, 64, generator=g).to(torch.bfloat16)
+    tables = torch.tensor([[4, 1, 5], [0, 2, 3]])
+    tiles = native.tiles_for([(0, 0, 3, 37), (1, 3, 1, 20)])
+    q = torch.randn(4, 3, 3, 64, generator=g)
+    build = portable_lib if lib == "portable" else None
+    got = native.paged_attention(keys, values, tables, tiles, q, lib=build)
+    want = native.paged_attention(keys.float(), values.float(), tables, tiles, q, lib=build)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["f32", "bf16", "gguf"])
+def test_a_bf16_pool_gives_the_tokens_of_the_reference_path(model, weights):
+    """Prompts that share a prefix (the prefix cache shares their blocks), several decoding
+    at once: the engine on labkit's C attention over a bfloat16 pool against PyTorch's
+    gather + SDPA over one (fast_kernels=False, float32 weights). With float32 weights the
+    tokens are equal; the logits of other weights are held to that path below."""
+    shared = "An inference engine takes a trained model and a request, and it must decide, step by step, "
+    prompts = [shared + "which", shared + "how much memory", "def fibonacci(n):\n    if n < 2:"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def tokens(config: EngineConfig) -> tuple[list[list[int]], LLMEngine]:
+        engine = LLMEngine(model, config)  # the first prompt's blocks are cached when the others come
+        first = engine.generate(prompts[:1], params)
+        return [o.token_ids for o in first + engine.generate(prompts[1:], params)], engine
+
+    got, engine = tokens(EngineConfig(kv_cache_tokens=512, kv_dtype="bf16", weights=weights))
+    assert engine.pool.keys.dtype == torch.bfloat16 and engine.pool.native
+    assert engine.stats().prefix_hits > 0
+    want, reference = tokens(EngineConfig(kv_cache_tokens=512, kv_dtype="bf16", fast_kernels=False))
+    assert not reference.pool.native and reference.stats().prefix_hits > 0
+    agree = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) / sum(map(len, want))
+    assert agree == 1.0 if weights == "f32" else agree >= 0.75
+
+
+@needs_kernels
+def test_the_c_layer_writes_and_reads_a_bf16_pool_as_pytorch_does(model):
+    """Layer 0 of the bf16 model on three rows over a bfloat16 pool, in C and in PyTorch:
+    the keys and values each stores are the same bfloat16 numbers (up to one bfloat16 step
+    where a last bit decided the rounding), and the outputs agree to the few activations
+    that such a last bit moved to the next bfloat16 (relative 2.6e-4 measured; a wrong
+    rounding or layout is off by orders of magnitude more)."""
+    blocked = bf16_model(model)
+    x = model.embed[torch.tensor(model.tokenizer.encode("One two three"))[:3]].contiguous()
+    cos, sin = model.rope_cos[:3].contiguous(), model.rope_sin[:3].contiguous()
+    pools = [KVPool(model.config, 4, 16, torch.bfloat16) for _ in range(2)]
+    python = decoder_layer(model.config, blocked.layers[0], x[None], cos, sin,
+                           PagedBatch(pools[0], [[1]], [0], [3]), 0)[0]
+    fused = x.clone()
+    native.decoder_layer_blocks(fused, blocked.fused_layers()[0], model.config, cos, sin,
+                                PagedBatch(pools[1], [[1]], [0], [3]).native_layer(0))
+    assert (fused - python).abs().max() < 1e-3 * python.abs().max()
+    for a, b in ((pools[0].keys, pools[1].keys), (pools[0].values, pools[1].values)):
+        assert a[0].abs().sum() > 0
+        assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
+
+
+def test_a_bf16_pool_holds_half_the_bytes(model):
+    f32, bf16 = KVPool(model.config, 4, 16), KVPool(model.config, 4, 16, torch.bfloat16)
+    assert bf16.bytes_per_token * 2 == f32.bytes_per_token
+
+
+def test_kv_dtype_and_weights_are_checked(model):
+    assert kv_dtype_for(None, torch.float32) is torch.float32 and set(KV_DTYPES) == {"f32", "bf16"}
+    with pytest.raises(ValueError, match="kv_dtype"):
+        LLMEngine(model, EngineConfig(kv_cache_tokens=64, kv_dtype="fp8"))
+    with pytest.raises(ValueError, match="fast kernels"):
+        backend_for(False, "bf16")
+
+
+@needs_kernels
+def test_bf16_weights_through_generate_equal_step_by_step_decode(model):
+    """The engine's bf16 tokens are the argmax of the bf16 model's logits, step by step on
+    one sequence (prefill through oneDNN, decode through the C layers)."""
+    prompt = model.tokenizer.encode("List three colours:")
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=256, weights="bf16"))
+    tokens = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    served = engine.model
+    pool = KVPool(model.config, 4, 16)
+    logits = served(torch.tensor([prompt]), cache=PagedBatch(pool, [[0, 1, 2, 3]], [0], [len(prompt)]))[0, -1]
+    want = [int(logits.argmax())]
+    for i in range(7):
+        batch = PagedBatch(pool, [[0, 1, 2, 3]], [len(prompt) + i], [1])
+        want.append(int(served(torch.tensor([[want[-1]]]), cache=batch)[0, -1].argmax()))
+    assert tokens == want
+    assert isinstance(served, Llama)
