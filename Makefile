@@ -10,6 +10,9 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+LLAMA_CPP_PYTHON := 0.3.36
+PEERS_DIR := .peers
+LLAMA_TOOLS := $(PEERS_DIR)/llama.cpp-build/bin
 MODEL ?= smollm2-135m
 PROFILE ?= full
 
@@ -30,9 +33,23 @@ env: $(STAMP)
 
 # Optional peer engines for `labkit bench lowbit` (not needed by the book or the tests):
 # llama.cpp through llama-cpp-python, compiled from source for this CPU (several minutes),
-# and vLLM's CPU build in a venv of its own (see below).
-peers: env $(VLLM_STAMP)
+# llama.cpp's own tools built from the same sources, and vLLM's CPU build in a venv of its
+# own (see below).
+peers: env $(VLLM_STAMP) $(LLAMA_TOOLS)/llama-bench
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[llamacpp]"
+
+# llama-bench, llama-server and llama-quantize: the wheel of llama-cpp-python ships only the
+# library, but its source distribution carries the whole llama.cpp tree of that release,
+# built here with cmake for this CPU (GGML_NATIVE). No HTTPS and no prebuilt web UI, which
+# would be fetched from a model hub at build time.
+$(LLAMA_TOOLS)/llama-bench: | $(STAMP)
+	mkdir -p $(PEERS_DIR)
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$(LLAMA_CPP_PYTHON)" -d $(PEERS_DIR)
+	tar -xzf $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS_DIR)
+	cmake -S $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp -B $(PEERS_DIR)/llama.cpp-build \
+	  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+	  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(PEERS_DIR)/llama.cpp-build -j 2 --target llama-bench llama-server llama-quantize
 
 # vLLM pins transformers<5.20 and cannot share labkit's venv; labkit runs it as a subprocess
 # (labkit/bench/vllm_worker.py). torch goes in first at its exact pin, so pip takes the CPU

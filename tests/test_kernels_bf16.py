@@ -183,3 +183,23 @@ def test_bf16_weights_through_generate_equal_step_by_step_decode(model):
         want.append(int(served(torch.tensor([[want[-1]]]), cache=batch)[0, -1].argmax()))
     assert tokens == want
     assert isinstance(served, Llama)
+
+
+@needs_kernels
+def test_speculative_decoding_over_a_bf16_cache_is_greedy_decoding_over_one(model):
+    """Speculative decoding (prompt lookup, 3 guesses a verification) on the file's blocks
+    with a bfloat16 KV cache gives the tokens of plain greedy decoding, one token a step,
+    on the same blocks and the same cache dtype; and the cache is bfloat16 indeed."""
+    from labkit.engine.speculative import NgramDrafter, speculative_generate
+    from labkit.models.llama import KVCache
+
+    served = backend_for(True, "gguf").prepare(model)
+    prompt = model.tokenizer.encode("one two three four, one two three four, one two")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got, stats = speculative_generate(served, prompt, params, NgramDrafter(), k=3, kv_dtype=torch.bfloat16)
+    cache = KVCache.empty(model.config, 1, 64, torch.bfloat16)
+    logits = served(torch.tensor([prompt]), cache=cache)[0, -1]
+    want = [int(logits.argmax())]
+    while len(want) < 16:
+        want.append(int(served(torch.tensor([[want[-1]]]), cache=cache)[0, -1].argmax()))
+    assert got == want and stats.accepted > 0 and cache.keys.dtype == torch.bfloat16

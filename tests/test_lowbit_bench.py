@@ -16,13 +16,15 @@ from labkit.eval import eval_text
 @pytest.mark.slow
 def test_lowbit_decode_without_llama_cpp_marks_its_row_not_run(monkeypatch):
     """The real model in quick sizes: every weights mode decodes, and with llama.cpp absent
-    the comparison with it is NOT_RUN with the reason, not a miss."""
+    (the binding and its own tools) the comparisons with it are NOT_RUN with the reason,
+    not misses."""
     monkeypatch.setattr(lowbit, "why_not_llama_cpp", lambda: "llama-cpp-python is not installed")
+    monkeypatch.setattr(lowbit.llama_tools, "why_not_llama_tools", lambda: "llama-bench not built")
     model = labkit.load_model()
     quick = Bench(model, model.tokenizer.encode(eval_text())[:2000], reference=None, quick=True)
     figures = lowbit.decode(quick, figure)
-    assert [f.passed is None for f in figures] == [False, False, False, True]
-    assert figures[-1].not_run == "llama-cpp-python is not installed"
+    assert [f.passed is None for f in figures] == [False, False, False, True, True]
+    assert [f.not_run for f in figures[-2:]] == ["llama-cpp-python is not installed", "llama-bench not built"]
     assert all(f.value > 0 for f in figures)
     assert set(figures[0].details["tokens_per_s"]) == {"f32", "bf16", "gguf", "gguf-int8"}
 

@@ -31,3 +31,23 @@ def test_a_server_on_the_files_blocks_answers_with_that_model(model):
         answer = client.completions.create(model="smollm2-135m", prompt="List three colours:", max_tokens=16,
                                            temperature=0)
     assert answer.choices[0].text == rounded
+
+
+def test_a_server_with_a_bf16_cache_answers_with_that_engine(model):
+    """`--weights bf16 --kv-dtype bf16`: the served tokens are those of that engine in this
+    process, which on this prompt differ from the same weights over a float32 cache (so a
+    flag that did not reach the engine would fail the check)."""
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    prompt, params = model.tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=16)
+
+    def in_process(kv_dtype: str | None) -> str:
+        engine = LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights="bf16", kv_dtype=kv_dtype))
+        return model.tokenizer.decode(engine.generate([prompt], params)[0].samples[0].token_ids)
+
+    bf16_cache = in_process("bf16")
+    assert bf16_cache != in_process(None)
+    with LiveServer("--model", "smollm2-135m", "--weights", "bf16", "--kv-dtype", "bf16",
+                    "--kv-cache-tokens", "2048") as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        answer = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=16, temperature=0)
+    assert answer.choices[0].text == bf16_cache

@@ -3,7 +3,8 @@ against llama.cpp on the same file with the same threads.
 
     decode   single-stream greedy decode (16-token prompt, 128 tokens) of every weights mode
              (float32, bfloat16, the file's blocks with float32 or 8-bit activations)
-             and llama.cpp, taking turns round after round
+             llama.cpp through llama-cpp-python, and llama.cpp's own llama-bench on the
+             same file and on an F32 copy of it, taking turns round after round
              (the first round warms up and is dropped)
     batch    the batch workload (32 requests x 64 tokens, all at once) in every mode, the
              modes taking turns for three rounds; every request's tokens against its run
@@ -27,17 +28,20 @@ from dataclasses import replace
 
 import torch
 
+from labkit.bench import llama_tools
 from labkit.bench.peers import LlamaCpp, VLLMCpu, why_not_llama_cpp, why_not_vllm
 from labkit.bench.serving import greedy_params, run_engine
 from labkit.engine.backends import WEIGHTS
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.paged_cache import KVPool, PagedBatch
 from labkit.eval import eval_text, score_tokens
+from labkit.models import registry
 
 LOW_BITS = tuple(w for w in WEIGHTS if w != "f32")
 # Decode speed-up over float32 each mode is held to: the file's blocks read 5.6x fewer bytes
 # a token than float32, bfloat16 half as many.
 DECODE_TARGET = {"bf16": ">= 1.5", "gguf": ">= 2", "gguf-int8": ">= 2"}
+LLAMA_BENCH, LLAMA_BENCH_F32 = "llama-bench", "llama-bench, F32 file"  # llama.cpp's own tool
 KV_BF16 = "f32, bf16 KV"  # float32 weights over a bfloat16 KV pool, in the quality figures
 TEST_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
                 "An inference engine takes a trained model and a request, and it must",
@@ -47,10 +51,15 @@ TEST_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    if n < 2:\n 
 def decode(bench, figure) -> list:
     tokens, rounds = bench.size(128, 8), bench.size(5, 1)
     prompt = bench.text_ids[:16]
+    threads = torch.get_num_threads()
     engines = {w: LLMEngine(bench.model, EngineConfig(kv_cache_tokens=1024, weights=w)) for w in WEIGHTS}
     why_not = why_not_llama_cpp()
-    peer = None if why_not else LlamaCpp(bench.model_name, torch.get_num_threads())
+    peer = None if why_not else LlamaCpp(bench.model_name, threads)
+    why_not_tools = llama_tools.why_not_llama_tools()
+    files = {} if why_not_tools else {LLAMA_BENCH: registry.fetch(bench.model_name),
+                                      LLAMA_BENCH_F32: llama_tools.f32_gguf(bench.model_name)}
     seconds = {name: [] for name in [*engines, *([] if peer is None else ["llama.cpp"])]}
+    tool_rates, tool_records = {name: [] for name in files}, {}
     for _ in range(rounds + 1):  # every system once a round, in turn; round 0 is dropped
         for name, engine in engines.items():
             start = time.perf_counter()
@@ -61,20 +70,28 @@ def decode(bench, figure) -> list:
             start = time.perf_counter()
             assert len(peer.generate(prompt, tokens)) == tokens
             seconds["llama.cpp"].append(time.perf_counter() - start)
+        for name, path in files.items():  # its own timing of generation alone (no prompt)
+            tool_records[name] = llama_tools.llama_bench(path, threads, tokens)
+            tool_rates[name].append(tool_records[name]["avg_ts"])
     rates = {name: [tokens / s for s in runs[1:]] for name, runs in seconds.items()}
+    rates.update({name: r[1:] for name, r in tool_rates.items()})
     median = {name: statistics.median(r) for name, r in rates.items()}
     best = max(LOW_BITS, key=median.get)
     shared = {"prompt_tokens": len(prompt), "output_tokens": tokens, "rounds": rounds, "tokens_per_s": rates,
-              "seconds": seconds, "peer": None if peer is None else peer.describe()}
+              "seconds": seconds, "peer": None if peer is None else peer.describe(),
+              "llama_bench": None if not files else llama_tools.describe(tool_records[LLAMA_BENCH])}
     out = [figure("lowbit", f"single-stream decode, {w} vs f32", median[w], median["f32"], "tokens/s",
                   median[w] / median["f32"], DECODE_TARGET[w], **shared) for w in LOW_BITS]
-    what = f"single-stream decode, labkit {best} vs llama.cpp on the same file and threads"
-    if peer is None:
-        out.append(figure("lowbit", what, median[best], float("nan"), "tokens/s", float("nan"), ">= 1.25",
-                          not_run=why_not, **shared))
-    else:
-        out.append(figure("lowbit", what, median[best], median["llama.cpp"], "tokens/s",
-                          median[best] / median["llama.cpp"], ">= 1.25", **shared))
+    for what, name, reason in ((f"single-stream decode, labkit {best} vs llama.cpp on the same file and threads",
+                                "llama.cpp", why_not),
+                               (f"single-stream decode, labkit {best} vs llama.cpp's llama-bench "
+                                f"(tg{tokens}, no prompt) on the same file and threads", LLAMA_BENCH, why_not_tools)):
+        if reason is not None:
+            out.append(figure("lowbit", what, median[best], float("nan"), "tokens/s", float("nan"), ">= 1.25",
+                              not_run=reason, **shared))
+        else:
+            out.append(figure("lowbit", what, median[best], median[name], "tokens/s", median[best] / median[name],
+                              ">= 1.25", **shared))
     return out
 
 

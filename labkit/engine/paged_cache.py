@@ -184,6 +184,14 @@ class PagedBatch:
         return native.PagedLayer(self.pool.keys[layer], self.pool.values[layer], self.new_blocks,
                                  self.new_slots, self.tables, self.tiles)
 
+    def native_pool(self) -> native.PagedLayer:
+        """Every layer of the pool with this step's slots, tables and tiles, for a kernel that
+        runs all the layers of a step (`native.decoder_layers_blocks`). Only where `native`."""
+        if not self.native:
+            raise ValueError("the pool is not on labkit's C kernels")
+        return native.PagedLayer(self.pool.keys, self.pool.values, self.new_blocks, self.new_slots, self.tables,
+                                 self.tiles)
+
     def advance(self, steps: int) -> None:
         """Nothing to do: the engine advances each sequence's `num_computed_tokens`."""
 

@@ -145,10 +145,12 @@ def accept(p: torch.Tensor, guess: list[int], q: torch.Tensor | None, gen: torch
 
 @torch.inference_mode()
 def speculative_generate(model: Llama, prompt_ids: list[int], params: SamplingParams, drafter,
-                         k: int = 4, stop_at_eos: bool = True) -> tuple[list[int], SpecStats]:
+                         k: int = 4, stop_at_eos: bool = True,
+                         kv_dtype: torch.dtype | None = None) -> tuple[list[int], SpecStats]:
     """Generate `params.max_tokens` tokens (fewer at EOS or a stop token) of `prompt_ids`.
     Greedy params give exactly plain greedy decoding; sampling params keep the target's
-    distribution. Random draws come from one stream per (seed, verification)."""
+    distribution. Random draws come from one stream per (seed, verification). `kv_dtype`:
+    the target's KV cache (default: the model's dtype), e.g. bfloat16 under float32 weights."""
     if k < 1:
         raise ValueError("lookahead k must be at least 1")
     if params.presence_penalty or params.frequency_penalty or params.logprobs is not None:
@@ -159,7 +161,8 @@ def speculative_generate(model: Llama, prompt_ids: list[int], params: SamplingPa
     eos = model.tokenizer.eos_token_id if model.tokenizer is not None else None
     if stop_at_eos and eos is not None and not params.ignore_eos:
         stop.add(eos)
-    cache = model.new_cache(1, len(prompt_ids) + params.max_tokens + k + 1)
+    cache = KVCache.empty(model.config, 1, len(prompt_ids) + params.max_tokens + k + 1,
+                          kv_dtype or model.dtype, model.device)
     if len(prompt_ids) > 1:
         model(torch.tensor([prompt_ids[:-1]]), cache=cache, last_only=True)
     drafter.reset(prompt_ids)

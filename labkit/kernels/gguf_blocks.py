@@ -185,15 +185,16 @@ class PagedSteps(Protocol):
     """A cache that lets a kernel run whole layers on its pool (the engine's `PagedBatch`)."""
     native: bool
 
-    def native_layer(self, layer: int) -> native.PagedLayer: ...
+    def native_pool(self) -> native.PagedLayer: ...
 
 
 class BlockLlama(Llama):
     """A `Llama` on the file's blocks whose steps of up to `max_rows` rows (a few with float32
     x, every step with 8-bit x: `default_max_rows`) on a paged pool with labkit's kernels
-    run each layer in one C call (`native.decoder_layer_blocks`): the same arithmetic as
-    `decoder_layer`, without PyTorch's cost per small operation, which was larger than the
-    4-bit matrix products themselves. Every other step is `Llama.forward`."""
+    run every layer in one C call (`native.decoder_layers_blocks`, `decoder_layer_blocks`
+    layer after layer): the same arithmetic as `decoder_layer`, without PyTorch's cost per
+    small operation, which was larger than the 4-bit matrix products themselves, or
+    Python's per call into C. Every other step is `Llama.forward`."""
 
     @classmethod
     def from_llama(cls, model: Llama, quantize_x: bool, max_rows: int) -> "BlockLlama":
@@ -213,7 +214,7 @@ class BlockLlama(Llama):
                 fused.append(native.BlockLayerWeights(layer.attn_norm.contiguous(), layer.mlp_norm.contiguous(),
                                                       tuple(m.blocks for m in mats), tuple(m.kind for m in mats),
                                                       self.quantize_x))
-            self._fused = fused
+            self._fused, self._all_layers = fused, native.BlockModelWeights(fused)
         return self._fused
 
     @torch.inference_mode()
@@ -221,14 +222,13 @@ class BlockLlama(Llama):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         batch, steps = input_ids.shape
         if (batch != 1 or steps > self.max_rows or not getattr(cache, "native", False)
-                or not hasattr(cache, "native_layer") or self.fused_layers() is None):
+                or not hasattr(cache, "native_pool") or self.fused_layers() is None):
             return super().forward(input_ids, cache=cache, last_only=last_only, rows=rows)
         c = self.config
         positions = cache.positions(steps, self.rope_cos.shape[0])
         cos, sin = self.rope_cos[positions].contiguous(), self.rope_sin[positions].contiguous()
         x = F.embedding(input_ids[0], self.embed).contiguous()  # [steps, hidden]
-        for index, weights in enumerate(self.fused_layers()):
-            native.decoder_layer_blocks(x, weights, c, cos, sin, cache.native_layer(index))
+        native.decoder_layers_blocks(x, self._all_layers, c, cos, sin, cache.native_pool())
         cache.advance(steps)
         x = x[None]
         if last_only:

@@ -78,6 +78,9 @@ _SIGNATURES = {
     "labkit_decoder_layer_blocks": ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_long] * 5 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 8
                                     + [ctypes.c_long] * 4),
+    "labkit_decoder_layers_blocks": ([ctypes.c_void_p] + [ctypes.c_long] * 7 + [ctypes.c_float]
+                                     + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 4
+                                     + [ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4),
 }
 # Weight formats the kernels read in place: weights per block, bytes per block. Q4_1x8:
 # Q4_1 with each eight rows' blocks regrouped (`gguf_blocks.regroup_q4_1`), 8-bit x only.
@@ -194,7 +197,8 @@ def gemv_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, quantize_x: bo
 class PagedLayer:
     """One layer of a paged KV pool as a step's kernels see it: the layer's keys [blocks,
     kv_heads, D, block_size] and values [blocks, kv_heads, block_size, D] (float32 or
-    bfloat16, both the same), where each new
+    bfloat16, both the same; for `decoder_layers_blocks`, every layer's: [layers, blocks,
+    ...]), where each new
     token goes (block and slot, int64 [rows]), and the step's checked tables and tiles
     (`check_tiles`)."""
     keys: torch.Tensor
@@ -241,6 +245,45 @@ def decoder_layer_blocks(x: torch.Tensor, weights: BlockLayerWeights, shape, cos
         kv.keys.data_ptr(), kv.values.data_ptr(), kv.new_blocks.data_ptr(), kv.new_slots.data_ptr(),
         kv.tables.data_ptr(), kv.tiles.data_ptr(), kv.tiles.shape[0], kv.tables.shape[1], kv.keys.shape[-1],
         int(_kv_bf16(kv.keys, kv.values)))
+
+
+@dataclass
+class BlockModelWeights:
+    """Every layer's `BlockLayerWeights` gathered for `decoder_layers_blocks`: the pointers to
+    their norms and matrices as C arrays, built once."""
+    layers: list[BlockLayerWeights]
+
+    def __post_init__(self):
+        count = len(self.layers)
+        if len({w.quantize_x for w in self.layers}) > 1:
+            raise ValueError("every layer must treat its activations the same way")
+        self.quantize_x = self.layers[0].quantize_x
+        self.attn_norms = (ctypes.c_void_p * count)(*(w.attn_norm.data_ptr() for w in self.layers))
+        self.mlp_norms = (ctypes.c_void_p * count)(*(w.mlp_norm.data_ptr() for w in self.layers))
+        self.matrices = (ctypes.c_void_p * (4 * count))(*(p for w in self.layers for p in w.pointers))
+        self.kind_codes = torch.cat([w.kind_codes for w in self.layers])
+
+
+def decoder_layers_blocks(x: torch.Tensor, weights: BlockModelWeights, shape, cos: torch.Tensor,
+                          sin: torch.Tensor, kv: PagedLayer) -> None:
+    """Every decoder layer in one C call (`decoder_layer_blocks` layer after layer): kv holds
+    every layer's keys and values ([layers, blocks, ...]), the step's slots, tables and tiles."""
+    lib = _require()
+    rows, hidden = x.shape
+    layers = len(weights.layers)
+    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or x.dtype != torch.float32:
+        raise ValueError("x, cos and sin must be contiguous float32")
+    if cos.shape != (rows, shape.head_dim) or len(kv.new_blocks) != rows or hidden != shape.hidden_size:
+        raise ValueError("x, cos, sin and the new slots must describe the same rows")
+    if kv.keys.dim() != 5 or kv.keys.shape[0] != layers:
+        raise ValueError(f"kv must hold the keys of all {layers} layers")
+    lib.labkit_decoder_layers_blocks(
+        x.data_ptr(), rows, layers, hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+        shape.intermediate_size, shape.rms_norm_eps, weights.attn_norms, weights.mlp_norms, weights.matrices,
+        weights.kind_codes.data_ptr(), int(weights.quantize_x), cos.data_ptr(), sin.data_ptr(),
+        kv.keys.data_ptr(), kv.values.data_ptr(), kv.keys[0].numel(), kv.new_blocks.data_ptr(),
+        kv.new_slots.data_ptr(), kv.tables.data_ptr(), kv.tiles.data_ptr(), kv.tiles.shape[0], kv.tables.shape[1],
+        kv.keys.shape[-1], int(_kv_bf16(kv.keys, kv.values)))
 
 
 def _kv_bf16(keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -57,12 +57,13 @@ class KVCache:
         return torch.arange(self.length, self.length + steps, device=self.keys.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store the new keys and values of `layer`, then attend over everything cached."""
+        """Store the new keys and values of `layer` (in the cache's dtype), then attend over
+        everything cached, read back in q's dtype."""
         batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
         self.keys[layer, :batch, :, start:end] = k
         self.values[layer, :batch, :, start:end] = v
-        return grouped_attention(q, self.keys[layer, :batch, :, :end],
-                                 self.values[layer, :batch, :, :end], start)
+        return grouped_attention(q, self.keys[layer, :batch, :, :end].to(q.dtype),
+                                 self.values[layer, :batch, :, :end].to(q.dtype), start)
 
     def advance(self, steps: int) -> None:
         self.length += steps

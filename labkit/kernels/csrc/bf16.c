@@ -20,6 +20,7 @@
 #endif
 
 #define ROW_TILE 4
+#define PREFETCH_AHEAD 3072
 
 unsigned short labkit_bf16_from_float(float x) {
   unsigned int bits;
@@ -60,6 +61,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const unsigned short
   __m256 a[ROW_TILE], b[ROW_TILE];
   for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps(), b[r] = _mm256_setzero_ps();
   for (long i = 0; i < n; i += 16) {
+    _mm_prefetch((const char*)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);  /* gguf_blocks.c says why */
     const __m256 w0 = widen8(w + i), w1 = widen8(w + i + 8);
     for (int r = 0; r < R; r++) {
       a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + r * n + i), a[r]);

@@ -42,6 +42,8 @@ void labkit_paged_attention_bf16(const unsigned short* keys, const unsigned shor
                                  long num_tiles, long width, long block_size, long kv_heads,
                                  long group, long dim, float scale);
 
+void labkit_silu_mul(const float* gate_up, float* act, long rows, long inter);  /* labkit_kernels.c */
+
 static void matrix_product(const unsigned char* W, long kind, long quantize_x, const float* X,
                            float* Y, long rows, long out, long n) {
   if (kind == 3)
@@ -137,13 +139,31 @@ void labkit_decoder_layer_blocks(
   matrix_product(mats[2], kinds[2], quantize_x, h, gate_up, rows, 2 * intermediate, hidden);
   #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long r = 0; r < rows; r++)
-    for (long i = 0; i < intermediate; i++) {
-      const float g = gate_up[r * 2 * intermediate + i], u = gate_up[r * 2 * intermediate + intermediate + i];
-      act[r * intermediate + i] = g / (1.0f + expf(-g)) * u;
-    }
+    labkit_silu_mul(gate_up + r * 2 * intermediate, act + r * intermediate, 1, intermediate);
   matrix_product(mats[3], kinds[3], quantize_x, act, delta, rows, hidden, intermediate);
   #pragma omp parallel for schedule(static) if (rows >= MANY_ROWS)
   for (long i = 0; i < rows * hidden; i++) x[i] += delta[i];
 
   free(h), free(qkv), free(q), free(attn), free(gate_up), free(act), free(delta);
+}
+
+/* Every decoder layer of a step in one call: `labkit_decoder_layer_blocks` for layer
+   0 .. layers-1 in turn, layer l reading its norms and matrices from entry l (matrices
+   and kinds: 4 l .. 4 l + 3) and its keys and values `layer_entries` entries further into
+   the pool than layer l - 1. One call a step instead of one a layer: from Python each call
+   cost more than a small matrix product. */
+void labkit_decoder_layers_blocks(
+    float* x, long rows, long layers, long hidden, long heads, long kv_heads, long dim,
+    long intermediate, float eps, const float* const* attn_norms, const float* const* mlp_norms,
+    const unsigned char* const* mats, const long* kinds, long quantize_x, const float* cos,
+    const float* sin, void* keys, void* values, long layer_entries, const long* new_blocks,
+    const long* new_slots, const long* tables, const long* tiles, long num_tiles, long width,
+    long block_size, long kv_bf16) {
+  const long layer_bytes = layer_entries * (kv_bf16 ? 2 : 4);
+  for (long l = 0; l < layers; l++)
+    labkit_decoder_layer_blocks(x, rows, hidden, heads, kv_heads, dim, intermediate, eps,
+                                attn_norms[l], mlp_norms[l], mats + 4 * l, kinds + 4 * l, quantize_x,
+                                cos, sin, (char*)keys + l * layer_bytes, (char*)values + l * layer_bytes,
+                                new_blocks, new_slots, tables, tiles, num_tiles, width, block_size,
+                                kv_bf16);
 }
