@@ -1,9 +1,5 @@
 """`labkit bench lowbit` on the real model in quick sizes: the weights modes decode, and a
-peer that is not installed makes its row NOT_RUN with the reason, never a miss.
-
-(Kept apart from test_bench_suite.py, and sorted after test_experiments_*: the engines it
-builds leave freed memory resident in the C heap, which hid chapter 8's score tensor from
-the resident-size peak that test_experiments_attention_cost measures.)"""
+peer that is not installed makes its row NOT_RUN with the reason, never a miss."""
 
 import pytest
 
