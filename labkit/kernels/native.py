@@ -38,7 +38,8 @@ it multiplies bytes by bytes as llama.cpp does (`csrc/gguf_blocks.c` explains bo
 widened to float32 as it is read.
 
 The C sources are `labkit/kernels/csrc/labkit_kernels.c`, `gguf_blocks.c`, `gguf_layer.c`
-(a decoder layer in one call, `decoder_layer_blocks`) and `bf16.c`, shipped with the package
+(a decoder layer in one call, `decoder_layer_blocks`, and every layer of a step,
+`decoder_layers_blocks`) and `bf16.c`, shipped with the package
 as data and read with `importlib.resources` (so it is found in a checkout and in an
 installed wheel alike). They are compiled once with the system C compiler (`$CC`, default
 `cc`) into `$LABKIT_CACHE/kernels/` and loaded with ctypes; the library's file name
