@@ -19,12 +19,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from labkit.bench.peers import REPO_ROOT
 from labkit.models import registry
 from labkit.util.paths import cache_root
 
 TOOLS_VARIABLE = "LABKIT_LLAMA_TOOLS"
-# labkit/bench/llama_tools.py -> the checkout holding the package (an editable install)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NEEDED = ("llama-bench", "llama-quantize")
 
 

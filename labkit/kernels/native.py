@@ -234,11 +234,7 @@ def decoder_layer_blocks(x: torch.Tensor, weights: BlockLayerWeights, shape, cos
     config (hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps);
     cos, sin [rows, head_dim] for the rows' positions. The caller ran `check_tiles`."""
     lib = _require()
-    rows, hidden = x.shape
-    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or x.dtype != torch.float32:
-        raise ValueError("x, cos and sin must be contiguous float32")
-    if cos.shape != (rows, shape.head_dim) or len(kv.new_blocks) != rows or hidden != shape.hidden_size:
-        raise ValueError("x, cos, sin and the new slots must describe the same rows")
+    rows, hidden = _checked_rows(x, shape, cos, sin, kv)
     lib.labkit_decoder_layer_blocks(
         x.data_ptr(), rows, hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
         shape.intermediate_size, shape.rms_norm_eps, weights.attn_norm.data_ptr(), weights.mlp_norm.data_ptr(),
@@ -270,12 +266,8 @@ def decoder_layers_blocks(x: torch.Tensor, weights: BlockModelWeights, shape, co
     """Every decoder layer in one C call (`decoder_layer_blocks` layer after layer): kv holds
     every layer's keys and values ([layers, blocks, ...]), the step's slots, tables and tiles."""
     lib = _require()
-    rows, hidden = x.shape
+    rows, hidden = _checked_rows(x, shape, cos, sin, kv)
     layers = len(weights.layers)
-    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or x.dtype != torch.float32:
-        raise ValueError("x, cos and sin must be contiguous float32")
-    if cos.shape != (rows, shape.head_dim) or len(kv.new_blocks) != rows or hidden != shape.hidden_size:
-        raise ValueError("x, cos, sin and the new slots must describe the same rows")
     if kv.keys.dim() != 5 or kv.keys.shape[0] != layers:
         raise ValueError(f"kv must hold the keys of all {layers} layers")
     lib.labkit_decoder_layers_blocks(
@@ -285,6 +277,17 @@ def decoder_layers_blocks(x: torch.Tensor, weights: BlockModelWeights, shape, co
         kv.keys.data_ptr(), kv.values.data_ptr(), kv.keys[0].numel(), kv.new_blocks.data_ptr(),
         kv.new_slots.data_ptr(), kv.tables.data_ptr(), kv.tiles.data_ptr(), kv.tiles.shape[0], kv.tables.shape[1],
         kv.keys.shape[-1], int(_kv_bf16(kv.keys, kv.values)))
+
+
+def _checked_rows(x: torch.Tensor, shape, cos: torch.Tensor, sin: torch.Tensor, kv: PagedLayer) -> tuple[int, int]:
+    """x's (rows, hidden), or ValueError where x, cos, sin and the new slots do not describe
+    the same rows of this model in the layout the C layer reads."""
+    rows, hidden = x.shape
+    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or x.dtype != torch.float32:
+        raise ValueError("x, cos and sin must be contiguous float32")
+    if cos.shape != (rows, shape.head_dim) or len(kv.new_blocks) != rows or hidden != shape.hidden_size:
+        raise ValueError("x, cos, sin and the new slots must describe the same rows")
+    return rows, hidden
 
 
 def _kv_bf16(keys: torch.Tensor, values: torch.Tensor) -> bool:
