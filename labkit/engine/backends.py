@@ -62,15 +62,11 @@ class GGUFBackend(FastBackend):
         """The model with its matrices on the file's blocks. ValueError where that cannot be
         done: the C kernels do not build here, the model is not float32 on the CPU, or it was
         not loaded from a GGUF of the registry (it has no `name`)."""
-        from labkit.kernels import native
         from labkit.kernels.gguf_blocks import block_model
         from labkit.models import registry
         from labkit.models.gguf_file import open_reader, raw_blocks
 
-        if native.load() is None:
-            raise ValueError(f"weights='gguf' needs labkit's C kernels: {native.why_unavailable()}")
-        if model.dtype != torch.float32 or model.device.type != "cpu":
-            raise ValueError("weights='gguf' serves a float32 model on the CPU")
+        _check_kernels_and_model("gguf", model)
         name = getattr(model, "name", None)
         if name is None:
             raise ValueError("weights='gguf' needs a model loaded by name from the registry")
@@ -84,14 +80,21 @@ class BF16Backend(FastBackend):
     def prepare(self, model: ServedModel) -> ServedModel:
         """The model on bfloat16 weights. ValueError where the C kernels do not build here or
         the model is not float32 on the CPU."""
-        from labkit.kernels import native
         from labkit.kernels.bf16_weights import bf16_model
 
-        if native.load() is None:
-            raise ValueError(f"weights='bf16' needs labkit's C kernels: {native.why_unavailable()}")
-        if model.dtype != torch.float32 or model.device.type != "cpu":
-            raise ValueError("weights='bf16' rounds a float32 model on the CPU")
+        _check_kernels_and_model("bf16", model)
         return bf16_model(model)
+
+
+def _check_kernels_and_model(weights: str, model: ServedModel) -> None:
+    """ValueError unless labkit's C kernels build here and `model` is float32 on the CPU:
+    what every mode that reads weights in its own format needs."""
+    from labkit.kernels import native
+
+    if native.load() is None:
+        raise ValueError(f"weights={weights!r} needs labkit's C kernels: {native.why_unavailable()}")
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        raise ValueError(f"weights={weights!r} serves a float32 model on the CPU")
 
 
 # What EngineConfig.weights may say: float32 weights, bfloat16 weights and activations, or

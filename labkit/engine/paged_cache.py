@@ -22,7 +22,7 @@ values, and a chunk after a cached prefix gathers its blocks and attends alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -176,14 +176,6 @@ class PagedBatch:
         kk, vv = self.pool.gather(layer, blocks)
         return kk.to(dtype), vv.to(dtype)
 
-    def native_layer(self, layer: int) -> native.PagedLayer:
-        """Layer `layer` of the pool with this step's slots, tables and tiles, for a kernel
-        that runs a whole layer (`native.decoder_layer_blocks`). Only where `native`."""
-        if not self.native:
-            raise ValueError("the pool is not on labkit's C kernels")
-        return native.PagedLayer(self.pool.keys[layer], self.pool.values[layer], self.new_blocks,
-                                 self.new_slots, self.tables, self.tiles)
-
     def native_pool(self) -> native.PagedLayer:
         """Every layer of the pool with this step's slots, tables and tiles, for a kernel that
         runs all the layers of a step (`native.decoder_layers_blocks`). Only where `native`."""
@@ -191,6 +183,12 @@ class PagedBatch:
             raise ValueError("the pool is not on labkit's C kernels")
         return native.PagedLayer(self.pool.keys, self.pool.values, self.new_blocks, self.new_slots, self.tables,
                                  self.tiles)
+
+    def native_layer(self, layer: int) -> native.PagedLayer:
+        """`native_pool` narrowed to layer `layer`, for a kernel that runs one layer
+        (`native.decoder_layer_blocks`)."""
+        pool = self.native_pool()
+        return replace(pool, keys=pool.keys[layer], values=pool.values[layer])
 
     def advance(self, steps: int) -> None:
         """Nothing to do: the engine advances each sequence's `num_computed_tokens`."""
