@@ -18,12 +18,6 @@ import argparse
 import json
 import sys
 
-# What `labkit generate` multiplies by unless told: the fastest mode whose greedy tokens
-# equal float32's on the test prompts (`labkit bench lowbit`). The engine's own default,
-# EngineConfig.weights, stays "f32": the book's chapters measure and explain that path.
-DEFAULT_CLI_WEIGHTS = "gguf"
-
-
 def _cmd_generate(args) -> int:
     import torch
 
@@ -42,18 +36,17 @@ def _cmd_generate(args) -> int:
     except ValueError as exc:
         print(f"labkit generate: {exc}", file=sys.stderr)
         return 2
-    model = load_model(args.model)
-    weights = args.weights or DEFAULT_CLI_WEIGHTS
-    if weights != "f32":
-        from labkit.engine.backends import backend_for
-        try:
-            model = backend_for(True, weights).prepare(model)
-        except ValueError as exc:
-            if args.weights:  # asked for by name: an error
-                print(f"labkit generate: {exc}", file=sys.stderr)
-                return 2
-            print(f"labkit generate: {exc}; using f32 weights", file=sys.stderr)
-            weights = "f32"
+    from labkit.engine.backends import prepare_weights
+
+    loaded = load_model(args.model)
+    try:  # no --weights: the preferred mode, or f32 where it cannot run here
+        prepared = prepare_weights(loaded, args.weights)
+    except ValueError as exc:  # a mode asked for by name that cannot run: an error
+        print(f"labkit generate: {exc}", file=sys.stderr)
+        return 2
+    if prepared.fallback:
+        print(f"labkit generate: {prepared.fallback}; using f32 weights", file=sys.stderr)
+    model, weights = prepared.model, prepared.weights
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     if stream:
         print(args.prompt, end="", flush=True) if not args.chat else None
@@ -61,7 +54,7 @@ def _cmd_generate(args) -> int:
     if args.json:
         out = result.to_dict()
         out["model"], out["weights"] = args.model, weights
-        out["load_seconds"] = model.load_report.seconds
+        out["load_seconds"] = loaded.load_report.seconds
         print(json.dumps(out))
         return 0
     t = result.timings
@@ -69,7 +62,7 @@ def _cmd_generate(args) -> int:
     print(f"\n[{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} generated, "
           f"finish={result.finish_reason}] time to first token {t.time_to_first_token * 1e3:.0f} ms, "
           f"decode {t.decode * 1e3:.0f} ms for {len(t.decode_steps)} steps, total {t.total:.2f} s, "
-          f"load {sum(model.load_report.seconds.values()):.2f} s", file=sys.stderr)
+          f"load {sum(loaded.load_report.seconds.values()):.2f} s", file=sys.stderr)
     return 0
 
 

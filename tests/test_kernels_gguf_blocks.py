@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.engine.backends import GGUFBackend, backend_for
+from labkit.engine.backends import PREFERRED_WEIGHTS, GGUFBackend, backend_for, prepare_weights
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.kernels import gguf_blocks as gb
 from labkit.kernels import native
@@ -169,6 +169,29 @@ def test_weights_are_checked(model, monkeypatch):
     monkeypatch.setattr(native, "load", lambda: None)
     with pytest.raises(ValueError, match="C kernels"):
         GGUFBackend().prepare(model)
+
+
+@needs_kernels
+def test_no_named_mode_runs_the_preferred_one_or_float32_saying_why(model, monkeypatch):
+    """EngineConfig(weights=None), what `labkit serve` and `labkit generate` pass without
+    --weights: the file's blocks where they run; float32 with the reason where they cannot; a
+    mode named that cannot run is an error, never a quiet substitute."""
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=256, weights=None))
+    assert (engine.weights, engine.weights_fallback) == (PREFERRED_WEIGHTS, None) == ("gguf", None)
+    assert isinstance(engine.model, gb.BlockLlama)
+    assert LLMEngine(model, EngineConfig(kv_cache_tokens=256)).weights == "f32"  # the library's default
+
+    class NotALlama(torch.nn.Module):
+        name, dtype, device = "smollm2-135m", torch.float32, torch.device("cpu")
+
+    with pytest.raises(ValueError, match="Llama"):
+        GGUFBackend().prepare(NotALlama())
+    monkeypatch.setattr(native, "load", lambda: None)
+    fallback = prepare_weights(model, None)
+    assert fallback.weights == "f32" and "C kernels" in fallback.fallback
+    assert not isinstance(fallback.model, gb.BlockLlama)
+    with pytest.raises(ValueError, match="C kernels"):
+        prepare_weights(model, "gguf")
 
 
 @needs_kernels

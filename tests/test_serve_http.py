@@ -55,6 +55,9 @@ def test_health_and_models(server, client):
     assert health["status"] == "ok" and health["engine"] == "worker" and health["worker_pid"] > 0
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    card = server.get(f"/v1/models/{MODEL}", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+    assert card["weights"] == "gguf"  # no --weights: the file's blocks (float32's greedy tokens)
+    assert "gguf weights" in "".join(server.lines)
 
 
 def test_a_greedy_completion_equals_the_engines_own_loop(client, model):

@@ -214,7 +214,7 @@ class Bench:
         warm = Workload(work.prompts[:2], [4, 4])
         args = ["--model", self.model_name, "--kv-cache-tokens", str(config.kv_cache_tokens),
                 "--max-num-seqs", str(config.scheduler.max_num_seqs),
-                "--max-batched-tokens", str(config.scheduler.max_batched_tokens)]
+                "--max-batched-tokens", str(config.scheduler.max_batched_tokens), "--weights", config.weights]
         args += ["--threads", str(self.threads)] if self.threads else []
         inproc, served = [], []
         with ServerProcess(*args) as server:

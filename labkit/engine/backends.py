@@ -23,6 +23,8 @@ labkit's C attention reads either.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from labkit.engine.interfaces import ModelShape, ServedModel
@@ -67,9 +69,14 @@ class GGUFBackend(FastBackend):
         from labkit.models.gguf_file import open_reader, raw_blocks
 
         _check_kernels_and_model("gguf", model)
+        from labkit.models.llama import Llama
+
         name = getattr(model, "name", None)
         if name is None:
             raise ValueError("weights='gguf' needs a model loaded by name from the registry")
+        if not isinstance(model, Llama):
+            raise ValueError(f"weights='gguf' runs the Llama forward pass on Q4_1/Q8_0 blocks; "
+                             f"{name} is a {type(model).__name__}")
         return block_model(model, raw_blocks(open_reader(registry.fetch(name)), model.config),
                            quantize_x=self.quantize_x)
 
@@ -111,6 +118,37 @@ def kv_dtype_for(kv_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {tuple(KV_DTYPES)} or None, got {kv_dtype!r}")
     return KV_DTYPES[kv_dtype]
+
+
+# What runs when no mode is named (EngineConfig(weights=None), `labkit generate` and `labkit
+# serve` without --weights): the fastest mode whose greedy tokens equal float32's on the test
+# prompts and whose logits stay within 1e-3 of them (`labkit bench lowbit`, chapter 12).
+PREFERRED_WEIGHTS = "gguf"
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    weights: str               # the mode that runs (one of WEIGHTS)
+    backend: "ReferenceBackend"
+    model: ServedModel         # the model as that backend runs it
+    fallback: str | None       # why PREFERRED_WEIGHTS could not run here (None: it runs, or a
+                               # mode was named)
+
+
+def prepare_weights(model: ServedModel, weights: str | None, fast_kernels: bool = True) -> PreparedWeights:
+    """`model` ready to run in mode `weights`; None: PREFERRED_WEIGHTS, or float32 where that
+    cannot run (no C compiler, a model other than the Llama, ...), saying why. A mode named
+    explicitly that cannot run is a ValueError, never a quiet substitute."""
+    if weights is not None or not fast_kernels:
+        weights = weights or "f32"
+        backend = backend_for(fast_kernels, weights)
+        return PreparedWeights(weights, backend, backend.prepare(model), None)
+    try:
+        backend = backend_for(True, PREFERRED_WEIGHTS)
+        return PreparedWeights(PREFERRED_WEIGHTS, backend, backend.prepare(model), None)
+    except ValueError as exc:
+        backend = backend_for(True, "f32")
+        return PreparedWeights("f32", backend, backend.prepare(model), str(exc))
 
 
 def backend_for(fast_kernels: bool, weights: str = "f32") -> ReferenceBackend:

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence as Seq
 
-from labkit.engine.backends import backend_for, kv_dtype_for
+from labkit.engine.backends import WEIGHTS, kv_dtype_for, prepare_weights
 from labkit.engine.block_manager import BlockManager
 from labkit.engine.interfaces import Backend, ServedModel
 from labkit.engine.limits import EngineLimits
@@ -39,8 +39,10 @@ class EngineConfig:
     prefix_caching: bool = True
     fast_kernels: bool = True          # oneDNN-packed weights, labkit's C kernels (where they
                                        # build); False: F.linear and gather + SDPA
-    weights: str = "f32"               # backends.WEIGHTS; "gguf", "gguf-int8": matrices read in
-                                       # the model file's own blocks; "bf16": bfloat16 matrices
+    weights: str | None = "f32"        # backends.WEIGHTS; "gguf", "gguf-int8": matrices read in
+                                       # the model file's own blocks; "bf16": bfloat16 matrices;
+                                       # None: backends.PREFERRED_WEIGHTS where it runs, else f32.
+                                       # "f32" by default: the path chapters 13-18 measure
     kv_dtype: str | None = None        # backends.KV_DTYPES ("f32", "bf16"); None: the model's
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     backend: Backend | None = None     # overrides fast_kernels (labkit.engine.backends)
@@ -141,9 +143,15 @@ class LLMEngine:
         c = self.config
         if c.num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
-        self.backend = c.backend or backend_for(c.fast_kernels, c.weights)
         kv_dtype = kv_dtype_for(c.kv_dtype, model.dtype)
-        self.model = self.backend.prepare(model)
+        if c.backend is not None:
+            self.backend, self.model = c.backend, c.backend.prepare(model)
+            self.weights = c.backend.name if c.backend.name in WEIGHTS else "f32"
+            self.weights_fallback = None
+        else:
+            prepared = prepare_weights(model, c.weights, c.fast_kernels)
+            self.backend, self.model = prepared.backend, prepared.model
+            self.weights, self.weights_fallback = prepared.weights, prepared.fallback
         self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         self.limits = EngineLimits(self.max_model_len, c.block_size, c.num_blocks, model.config.vocab_size)

@@ -225,7 +225,8 @@ class LiveService:
 
     def __enter__(self) -> "LiveService":
         self.server = ServerProcess("--max-num-seqs", "1", "--queue-policy", self.policy,
-                                    "--max-queue", str(self.max_queue), "--threads", str(self.threads))
+                                    "--max-queue", str(self.max_queue), "--threads", str(self.threads),
+                                    "--weights", "f32")
         self.server.__enter__()
         try:
             self.wait_ready()

@@ -56,6 +56,10 @@ class RecordingClient:
         return self.inner.restarts
 
     @property
+    def weights(self) -> str | None:
+        return self.inner.weights
+
+    @property
     def ready(self) -> bool:
         return self.inner.ready
 

@@ -209,7 +209,8 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
 
     def model_card() -> dict:
         return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "labkit",
-                "max_model_len": client.limits.max_model_len if client.limits else None}
+                "max_model_len": client.limits.max_model_len if client.limits else None,
+                "weights": client.weights}
 
     @app.get("/v1/models")
     async def models(request: Request):

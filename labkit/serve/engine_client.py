@@ -148,6 +148,7 @@ class ResultStream:
 class EngineClient(Protocol):
     limits: EngineLimits
     restarts: int
+    weights: str | None  # the engine's weights mode (backends.WEIGHTS); None until it is ready
 
     @property
     def ready(self) -> bool: ...
@@ -185,7 +186,7 @@ class InProcessEngine:
 
     def __init__(self, engine: LLMEngine):
         self.core = EngineCore(engine)
-        self.limits = engine.limits
+        self.limits, self.weights = engine.limits, engine.weights
         self.restarts = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 

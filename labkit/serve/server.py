@@ -59,7 +59,10 @@ def make_client(args):
 
         fields = engine_fields(args)
         fields["scheduler"] = SchedulerConfig(**fields["scheduler"])
-        return InProcessEngine(LLMEngine(load_model(args.model), EngineConfig(**fields)))
+        engine = LLMEngine(load_model(args.model), EngineConfig(**fields))
+        if engine.weights_fallback:
+            logging.getLogger("labkit.serve").warning("%s; the engine runs f32 weights", engine.weights_fallback)
+        return InProcessEngine(engine)
     return WorkerEngine(WorkerSpec(args.model, args.threads, engine_fields(args)))
 
 
@@ -84,7 +87,8 @@ async def _announce(server: uvicorn.Server, url: str, model: str, client) -> Non
     pid = getattr(client, "worker_pid", None)
     where = ("the naive transformers foil" if client is None else
              f"engine worker pid {pid}" if pid else "engine in process")
-    print(f"labkit serve: {url} (model {model}, {where})", flush=True)
+    weights = f", {client.weights} weights" if client is not None else ""
+    print(f"labkit serve: {url} (model {model}{weights}, {where})", flush=True)
 
 
 def serve(args) -> int:
@@ -210,7 +214,7 @@ class ServerProcess:
 
 
 def add_arguments(parser) -> None:
-    from labkit.engine.backends import KV_DTYPES, WEIGHTS
+    from labkit.engine.backends import KV_DTYPES, PREFERRED_WEIGHTS, WEIGHTS
     from labkit.engine.llm_engine import EngineConfig
     from labkit.engine.scheduler import SchedulerConfig
     from labkit.serve.admission import QUEUE_POLICIES
@@ -230,9 +234,12 @@ def add_arguments(parser) -> None:
                         help="tokens per step (prefill chunks + decodes)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--reference-kernels", action="store_true", help="F.linear and SDPA, not the C kernels")
-    parser.add_argument("--weights", choices=WEIGHTS, default=defaults.weights,
-                        help="f32; bf16 (matrices and their inputs in bfloat16); or the model file's own "
-                             "blocks (gguf; gguf-int8 also rounds activations to 8 bits)")
+    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+                        help=f"default: {PREFERRED_WEIGHTS} (the model file's own blocks with float32 "
+                             "activations, the fastest mode that keeps float32's greedy tokens on the "
+                             "test prompts), or f32 where that cannot run here (with a warning); f32; "
+                             "bf16 (matrices and their inputs in bfloat16); gguf-int8 (activations "
+                             "rounded to 8 bits, as llama.cpp does)")
     parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=defaults.kv_dtype,
                         help="the KV cache's dtype (default: the model's)")
     parser.add_argument("--in-process", action="store_true", help="run the engine in the server's process")

@@ -75,6 +75,8 @@ class WorkerSpec:
 class Ready:
     limits: EngineLimits
     pid: int
+    weights: str                  # the mode the engine runs (backends.WEIGHTS)
+    weights_fallback: str | None  # why the preferred mode could not run, if it could not
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,8 @@ def worker_main(spec: WorkerSpec, command_address: str, event_address: str) -> N
     receiver = threading.Thread(target=_receive, args=(commands, inbox, stop, core.engine.clock),
                                 name="labkit-worker-receive", daemon=True)
     receiver.start()
-    events.send_pyobj(Ready(core.engine.limits, os.getpid()))
+    engine = core.engine
+    events.send_pyobj(Ready(engine.limits, os.getpid(), engine.weights, engine.weights_fallback))
     outbox: list[tuple[str, TokenEvent | StreamEnd]] = []
     sent_stats = None
     try:
@@ -182,6 +185,7 @@ class WorkerEngine:
     def __init__(self, spec: WorkerSpec, *, start_timeout: float = 600.0, poll_interval: float = 0.1):
         self.spec, self.start_timeout, self.poll_interval = spec, start_timeout, poll_interval
         self.limits: EngineLimits | None = None
+        self.weights: str | None = None
         self.restarts = 0
         self.worker_pid: int | None = None
         self._ready = False
@@ -233,7 +237,9 @@ class WorkerEngine:
             if await self._events.poll(timeout=200):
                 ready = await self._events.recv_pyobj()
                 break
-        self.limits, self.worker_pid = ready.limits, ready.pid
+        self.limits, self.worker_pid, self.weights = ready.limits, ready.pid, ready.weights
+        if ready.weights_fallback and self._generation == 1:
+            log.warning("%s; the engine runs f32 weights", ready.weights_fallback)
         self._read_task = asyncio.create_task(self._read(self._events), name="labkit-worker-read")
         self._ready = True
         log.info("engine worker %d ready (generation %d)", ready.pid, self._generation)
