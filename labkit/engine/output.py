@@ -80,13 +80,18 @@ def stop_string_cut(text: str, stops: Sequence[str], search_from: int) -> int | 
 
 def encode_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int | None, *,
                   chat: bool = False) -> list[int]:
-    """The prompt's token ids. Raises ValueError for text without a tokenizer, ids that are
-    not integers or (when the vocabulary's size is known) outside [0, vocab_size), and an
-    empty prompt (nothing to condition on)."""
+    """The prompt's token ids: a text prompt starts with the BOS token where the tokenizer
+    says the model expects one (`add_bos_token`: Gemma 3; SmolLM2 does not); token ids are
+    taken as given. Raises ValueError for text without a tokenizer, ids that are not integers
+    or (when the vocabulary's size is known) outside [0, vocab_size), and an empty prompt
+    (nothing to condition on)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if not chat and getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
     else:
         if chat:
             raise ValueError("chat=True needs a text prompt")

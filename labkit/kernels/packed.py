@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.kernels import native
-from labkit.models.llama import MATRICES, shallow_copy
+from labkit.models.llama import MATRICES, Llama, shallow_copy
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -62,7 +62,7 @@ def pack_model(model, native_gemv: bool = True):
     matrix-vector kernel for a few rows, if `native_gemv`), or `model` itself when the
     weights cannot be packed here (see the module docstring). The copy is kept on the
     model and reused while the model still holds the same weight tensors."""
-    if not (hasattr(model, "layers") and hasattr(model, "lm_head")):
+    if not isinstance(model, Llama):  # another model (Gemma 3) runs on its own weights
         return model
     weights = _matrices(model)
     if not all(isinstance(w, torch.Tensor) and available(w) for w in weights):

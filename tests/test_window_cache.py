@@ -1,0 +1,120 @@
+"""The rolling KV cache (`labkit.models.window_cache`) against the cache that keeps every
+position and applies the window as a mask (`WindowedKVCache`): the same attention on random
+tensors for any mix of chunk sizes, and the same greedy tokens from Gemma 3 past its window."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from labkit.models.gemma3 import Gemma3Config
+from labkit.models.window_cache import RollingKVCache, WindowedKVCache
+
+TINY = Gemma3Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=3, num_heads=4,
+                    num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64,
+                    layer_windows=(5, None, 8), local_rope_theta=10.0, global_rope_theta=100.0,
+                    query_pre_attn_scalar=8.0)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 20, [13, 1, 1, 4, 1, 9, 1], [3, 17, 2], [30]])
+def test_the_ring_attends_as_the_masked_full_cache(chunks):
+    """Each chunk's attention output, layer by layer, equals the full cache's, whether the
+    chunk is a decode token, shorter than the window, or longer than it."""
+    torch.manual_seed(0)
+    total = sum(chunks)
+    full, ring = WindowedKVCache.empty(TINY, 2, total), RollingKVCache(TINY, 2, total)
+    group = TINY.num_heads // TINY.num_kv_heads
+    for steps in chunks:
+        for cache in (full, ring):
+            cache.positions(steps, TINY.max_position_embeddings)
+        for layer in range(TINY.num_layers):
+            q = torch.randn(2, TINY.num_kv_heads, group, steps, TINY.head_dim)
+            k, v = torch.randn(2, 2, TINY.num_kv_heads, steps, TINY.head_dim).unbind(0)
+            want = full.attend(layer, q, k, v)
+            torch.testing.assert_close(ring.attend(layer, q, k, v), want, rtol=1e-5, atol=1e-6)
+        full.advance(steps)
+        ring.advance(steps)
+
+
+def test_the_ring_holds_a_window_per_local_layer():
+    ring = RollingKVCache(TINY, 1, 40)
+    per_position = 2 * TINY.num_kv_heads * TINY.head_dim * 4  # keys and values, float32
+    assert ring.nbytes() == per_position * (5 + 40 + 8)
+    assert RollingKVCache(TINY, 1, 4).nbytes() == per_position * 3 * 4  # shorter than a window
+    with pytest.raises(ValueError):
+        RollingKVCache(TINY, 1, 4).positions(5, 64)
+
+
+def test_without_windows_the_ring_is_the_full_cache():
+    """A config whose layers are all global: no ring, every position kept."""
+    plain = replace(TINY, layer_windows=(None, None, None))
+    assert RollingKVCache(plain, 1, 10).nbytes() == WindowedKVCache.empty(plain, 1, 10).nbytes(10)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from labkit.models import load_model
+
+    return load_model("gemma3-270m", with_tokenizer=False)
+
+
+@pytest.mark.slow
+def test_gemma_past_its_window_gives_the_full_caches_greedy_tokens(gemma):
+    """A 700-token prompt (longer than the 512-token window) prefilled whole and in chunks,
+    then 24 greedy tokens: the rolling cache's tokens equal the full cache's, its logits stay
+    within float32 noise of them, and it holds a fraction of the bytes."""
+    torch.manual_seed(0)
+    prompt = torch.randint(10, 200_000, (1, 700))
+    window = gemma.config.layer_windows[0]
+    assert window == 512 and prompt.shape[1] > window
+
+    def greedy(cache, chunk: int):
+        for s in range(0, prompt.shape[1], chunk):
+            logits = gemma(prompt[:, s:s + chunk], cache=cache, last_only=True)[:, -1]
+        tokens, all_logits = [], []
+        for _ in range(24):
+            token = logits.argmax(-1, keepdim=True)
+            tokens.append(token.item())
+            all_logits.append(logits)
+            logits = gemma(token, cache=cache)[:, -1]
+        return tokens, torch.cat(all_logits)
+
+    length = prompt.shape[1] + 24
+    full_tokens, full_logits = greedy(gemma.new_cache(1, length, rolling=False), 700)
+    for chunk in (700, 256):
+        ring = gemma.new_cache(1, length)  # the model's default cache
+        assert isinstance(ring, RollingKVCache)
+        tokens, logits = greedy(ring, chunk)
+        assert tokens == full_tokens
+        assert (logits - full_logits).abs().max().item() < 1e-3
+    full_bytes = gemma.new_cache(1, length, rolling=False).nbytes(length)
+    assert ring.nbytes() < 0.8 * full_bytes
+
+
+def test_the_paged_engine_refuses_a_model_with_windows_before_any_work(gemma):
+    from labkit.engine.llm_engine import EngineConfig, LLMEngine
+
+    with pytest.raises(ValueError, match="sliding-window layers \\(window 512\\)"):
+        LLMEngine(gemma, EngineConfig(kv_cache_tokens=256))
+
+
+@pytest.mark.slow
+def test_labkit_generate_runs_gemma_with_its_bos_and_the_rolling_cache(gemma):
+    """`labkit generate --model gemma3-270m`: the prompt starts with Gemma's BOS, and the
+    tokens are the greedy ones of the full cache with the window as a mask."""
+    import json
+    import subprocess
+    import sys
+
+    from labkit.engine.loop import greedy_continue
+
+    out = subprocess.run([sys.executable, "-m", "labkit.cli", "generate", "The capital of France is",
+                          "--model", "gemma3-270m", "--max-tokens", "8", "--json"],
+                         capture_output=True, text=True, check=True)
+    record = json.loads(out.stdout)
+    assert record["weights"] == "f32" and "Llama" in out.stderr  # gguf mode is the Llama's
+    assert record["prompt_token_ids"] == [2, 818, 5279, 529, 7001, 563]
+    ids = torch.tensor([record["prompt_token_ids"]])
+    cache = gemma.new_cache(1, 16, rolling=False)
+    logits = gemma(ids, cache=cache, last_only=True)[:, -1]
+    assert record["token_ids"] == greedy_continue(gemma, cache, logits, 8).token_ids[: len(record["token_ids"])]
