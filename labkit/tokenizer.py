@@ -547,7 +547,9 @@ class Tokenizer:
     ) -> str:
         """Render a conversation with the GGUF's Jinja chat template (as transformers does)."""
         if not self.meta.chat_template:
-            raise ValueError(f"{self.meta.source or 'this tokenizer'} has no chat template")
+            # The message reaches API clients: the file's name, not where it lives on the server.
+            source = Path(self.meta.source).name if self.meta.source else "this tokenizer"
+            raise ValueError(f"{source} has no chat template; send a plain prompt instead")
         checked = self._check_messages(messages)
         if self._template is None:
             self._template = _compile_chat_template(self.meta.chat_template)

@@ -91,11 +91,26 @@ def test_gemma_past_its_window_gives_the_full_caches_greedy_tokens(gemma):
     assert ring.nbytes() < 0.8 * full_bytes
 
 
-def test_the_paged_engine_refuses_a_model_with_windows_before_any_work(gemma):
+@pytest.mark.slow
+def test_the_paged_engine_runs_gemma_through_its_windows(gemma):
+    """LLMEngine on Gemma: a 600-token prompt prefilled in chunks of 256 (past the window)
+    beside a short prompt, then greedy tokens: each request's are those of the rolling cache
+    run alone."""
     from labkit.engine.llm_engine import EngineConfig, LLMEngine
+    from labkit.engine.loop import greedy_continue
+    from labkit.engine.scheduler import SchedulerConfig
+    from labkit.sampling import SamplingParams
 
-    with pytest.raises(ValueError, match="sliding-window layers \\(window 512\\)"):
-        LLMEngine(gemma, EngineConfig(kv_cache_tokens=256))
+    torch.manual_seed(1)
+    prompts = [torch.randint(10, 200_000, (600,)).tolist(), [2, 818, 5279, 529, 7001, 563]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = LLMEngine(gemma, EngineConfig(kv_cache_tokens=2048, scheduler=SchedulerConfig(max_batched_tokens=256)))
+    assert not engine.pool.native  # the C kernel has no window
+    for prompt, out in zip(prompts, engine.generate(prompts, params)):
+        cache = gemma.new_cache(1, len(prompt) + 8)
+        logits = gemma(torch.tensor([prompt]), cache=cache, last_only=True)[:, -1]
+        assert out.samples[0].token_ids == greedy_continue(gemma, cache, logits, 8).token_ids
+    assert engine.blocks.num_used == 0
 
 
 @pytest.mark.slow
@@ -118,3 +133,33 @@ def test_labkit_generate_runs_gemma_with_its_bos_and_the_rolling_cache(gemma):
     cache = gemma.new_cache(1, 16, rolling=False)
     logits = gemma(ids, cache=cache, last_only=True)[:, -1]
     assert record["token_ids"] == greedy_continue(gemma, cache, logits, 8).token_ids[: len(record["token_ids"])]
+
+
+@pytest.mark.slow
+def test_labkit_serve_answers_with_gemma_and_refuses_chat_it_has_no_template_for(gemma):
+    """`labkit serve --model gemma3-270m`: a greedy completion (the official client) is the
+    rolling cache's greedy run from the prompt with its BOS; a chat request, which needs a
+    template this base model's file does not have, gets the documented 400, not a 500."""
+    import httpx
+    import openai
+
+    from labkit.engine.loop import greedy_continue
+    from labkit.models.loader import load_tokenizer
+    from live_server import LiveServer
+
+    prompt = [2, 818, 5279, 529, 7001, 563]  # <bos> "The capital of France is"
+    cache = gemma.new_cache(1, 16)
+    logits = gemma(torch.tensor([prompt]), cache=cache, last_only=True)[:, -1]
+    expected = greedy_continue(gemma, cache, logits, 8).token_ids
+    with LiveServer("--model", "gemma3-270m", "--kv-cache-tokens", "2048") as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        answer = client.completions.create(model="gemma3-270m", prompt="The capital of France is",
+                                           max_tokens=8, temperature=0)
+        chat = httpx.post(live.url + "/v1/chat/completions", timeout=120, json={
+            "model": "gemma3-270m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        card = client.models.retrieve("gemma3-270m")
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.choices[0].text == load_tokenizer("gemma3-270m").decode(expected)
+    assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+    assert "/" not in chat.json()["error"]["message"]  # no server path in an answer
+    assert card.model_extra["weights"] == "f32"  # the file's blocks are the Llama's mode

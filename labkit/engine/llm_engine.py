@@ -143,11 +143,6 @@ class LLMEngine:
         c = self.config
         if c.num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {c.kv_cache_tokens} holds no block of {c.block_size}")
-        windows = {w for w in getattr(model.config, "layer_windows", ()) if w is not None}
-        if windows:  # refused before any work, rather than attending past the window
-            raise ValueError(f"{getattr(model, 'name', 'this model')} has sliding-window layers (window "
-                             f"{min(windows)}), which the paged KV pool does not implement yet; "
-                             "`labkit generate` runs it with a rolling cache")
         kv_dtype = kv_dtype_for(c.kv_dtype, model.dtype)
         if c.backend is not None:
             self.backend, self.model = c.backend, c.backend.prepare(model)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from labkit.engine.interfaces import ModelShape
 from labkit.kernels import native
 from labkit.models.llama import check_positions, grouped_attention
+from labkit.models.window_cache import windowed_attention
 
 
 class KVPool:
@@ -41,9 +42,13 @@ class KVPool:
         layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
         self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=self.device)
         self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=self.device)
+        # A model with sliding-window layers (Gemma 3) names each layer's window; the C kernel
+        # has none, so such a model attends by gather + SDPA with the window as a mask.
+        self.windows = getattr(config, "layer_windows", None)
+        windowed = self.windows is not None and any(w is not None for w in self.windows)
         # Attention by labkit's C kernel where it builds (float32 or bfloat16 entries on the
         # CPU), else gather + SDPA.
-        self.native = (native_attention and dtype in (torch.float32, torch.bfloat16)
+        self.native = (native_attention and dtype in (torch.float32, torch.bfloat16) and not windowed
                        and self.device.type == "cpu" and native.load() is not None)
 
     @property
@@ -112,6 +117,7 @@ class PagedBatch:
         self.new_blocks, self.new_slots = torch.cat(new_blocks), torch.cat(new_slots)
         self.num_tokens = row
         self.native = pool.native
+        self.segments = segments
         if self.native:
             # One kernel call per layer attends every packed row over its own sequence's
             # blocks, read in place; the tables and tiles are checked once here for all layers.
@@ -142,6 +148,8 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, kv_heads, group, N, D]; k, v: [1, kv_heads, N, D] for the N packed tokens
         self.pool.write(layer, self.new_blocks, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        if self.pool.windows is not None:
+            return self._windowed(layer, q)
         if self.native:  # the kernel takes float32 queries whatever the model's dtype
             out = native.paged_attention(self.pool.keys[layer], self.pool.values[layer], self.tables,
                                          self.tiles, q[0].permute(2, 0, 1, 3).float(), checked=True)
@@ -160,6 +168,19 @@ class PagedBatch:
         if len(self.decode_rows):
             o = self._decode(layer, q[0, :, :, self.decode_rows].permute(2, 0, 1, 3))
             out[0, :, :, self.decode_rows] = o.permute(1, 2, 0, 3)
+        return out
+
+    def _windowed(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """A model whose layers have windows and their own scale (Gemma 3): each sequence's
+        queries over its gathered blocks, the window applied as a mask. Its blocks all stay
+        allocated (global layers share them); the memory a window saves is
+        `labkit.models.window_cache.RollingKVCache`'s."""
+        out = torch.empty_like(q)
+        window, scale = self.pool.windows[layer], self.pool.config.attention_scale
+        for s in self.segments:
+            kk, vv = self._gather(layer, s.blocks, q.dtype)  # [kv_heads, S', D]
+            out[:, :, :, s.rows] = windowed_attention(q[:, :, :, s.rows], kk[None, :, :s.length],
+                                                      vv[None, :, :s.length], s.start, window, scale)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
