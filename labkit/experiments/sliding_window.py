@@ -1,0 +1,297 @@
+"""Sliding-window attention: what a window costs a model, how far it lets tokens reach, and
+what it saves. Chapter 22 runs these on SmolLM2 and Gemma 3 270M.
+
+A layer with window W lets the query at position i see only the keys at positions j with
+i - W < j <= i. Gemma 3 was trained that way (15 of its 18 layers have W = 512; layers 5, 11
+and 17 are global); SmolLM2 was trained with full attention. Four pieces:
+
+* :func:`sink_window_attention` and :class:`SinkWindowCache`: impose a window on a model
+  trained without one, optionally keeping the first ``sinks`` positions visible to every
+  query. StreamingLLM (Xiao et al. 2023, arXiv 2309.17453) found that models put a large
+  share of their attention on the first tokens whatever they say ("attention sinks"), so
+  a plain window, which drops them, breaks the softmax's habits; keeping four is enough.
+* :func:`second_half_loss`: the loss on the second half of a passage given all of the first
+  half, through such a cache. Full attention (``window=None``) sees everything; a window
+  W sees only the last W tokens; W + sinks sees those and the first few.
+* :func:`influence_by_distance`: change one token and see which later logits move. A stack
+  of windowed layers passes information at most W - 1 positions forward per layer, so with
+  every layer windowed the influence stops exactly at sum(W - 1) positions; Gemma's global
+  layers carry it the whole way. The windows are imposed by the cache, not by editing the
+  model (see the function for why).
+* :func:`decode_step_costs`: the arithmetic beside the chapter's timed decode steps: the
+  bytes each scheme keeps and the keys a decode step reads, for a full cache, a window as a
+  mask over a full cache (:class:`~labkit.models.window_cache.WindowedKVCache`), and a
+  rolling cache (:class:`~labkit.models.window_cache.RollingKVCache`).
+
+Nothing is timed here (the notebook times with :mod:`labkit.util.timing`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from labkit.experiments.kv_heads import layer_positions
+from labkit.models.llama import KVCache
+from labkit.models.window_cache import WindowedKVCache
+
+
+# -- 1. a window (and sinks) imposed by the cache -------------------------------------------
+
+def sink_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                          window: int | None, sinks: int, scale: float) -> torch.Tensor:
+    """Causal grouped attention in which the query at position i sees the keys at positions
+    j <= i with i - window < j (the window, itself included) or j < sinks (the sinks).
+    ``window=None`` sees every j <= i; ``sinks=0`` is
+    :func:`~labkit.models.window_cache.windowed_attention`.
+
+    q: [B, kv_heads, group, T, D] for positions q_start .. q_start+T-1
+    k, v: [B, kv_heads, S, D] for positions 0 .. S-1
+    """
+    batch, kv_heads, group, steps, dim = q.shape
+    q_pos = torch.arange(q_start, q_start + steps, device=q.device)[:, None]
+    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= (k_pos > q_pos - window) | (k_pos < sinks)
+    stacked = q.reshape(batch, kv_heads, group * steps, dim)  # row r: position r % T
+    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=visible.repeat(group, 1),
+                                         scale=scale)
+    return out.reshape(q.shape)
+
+
+@dataclass
+class SinkWindowCache(KVCache):
+    """The contiguous `KVCache` with one window (and sinks) imposed on every layer as a mask.
+
+    Every position stays cached: this is the semantics of StreamingLLM, not its economy (a
+    ring of W slots plus ``sinks`` fixed ones would hold the same keys). Works for any model
+    whose forward pass asks a `KVCacheView` (SmolLM2's `Llama`, `Gemma3`)."""
+
+    # Defaults only because KVCache's `length` has one: build the cache with `empty`.
+    window: int | None = None
+    sinks: int = 0
+    scale: float = 1.0
+
+    @classmethod
+    def empty(cls, config, batch: int, max_len: int, window: int | None, sinks: int = 0,
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "SinkWindowCache":
+        if window is not None and window < 1:
+            raise ValueError(f"a window must hold at least the query itself, got {window}")
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        plain = KVCache.empty(config, batch, max_len, dtype, device)
+        # Gemma scales by query_pre_attn_scalar ** -0.5 (its `attention_scale`); a Llama
+        # config has no such field and scales by 1 / sqrt(head_dim), as SDPA does by default.
+        scale = getattr(config, "attention_scale", config.head_dim ** -0.5)
+        return cls(plain.keys, plain.values, window=window, sinks=sinks, scale=scale)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
+        self.keys[layer, :batch, :, start:end] = k
+        self.values[layer, :batch, :, start:end] = v
+        return sink_window_attention(q, self.keys[layer, :batch, :, :end].to(q.dtype),
+                                     self.values[layer, :batch, :, :end].to(q.dtype), start,
+                                     self.window, self.sinks, self.scale)
+
+
+# -- 2. what the window costs: the loss on a passage's second half --------------------------
+
+@dataclass(frozen=True)
+class SecondHalfLoss:
+    """Negative log-likelihood of the second halves of passages, each given its first half
+    through a cache with ``window`` (None: full attention) and ``sinks``."""
+
+    window: int | None
+    sinks: int
+    tokens_scored: int
+    nll_nats: float  # summed, in float64
+
+    @property
+    def nats_per_token(self) -> float:
+        return self.nll_nats / self.tokens_scored
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nats_per_token)
+
+    @property
+    def label(self) -> str:
+        if self.window is None:
+            return "full attention"
+        return f"window {self.window}" + (f" + {self.sinks} sinks" if self.sinks else "")
+
+
+@torch.inference_mode()
+def second_half_loss(model, ids: list[int], window: int | None, sinks: int = 0,
+                     chunk: int = 256) -> SecondHalfLoss:
+    """Score tokens len(ids)//2 .. end of one passage, each predicted from everything before
+    it as far as the (window, sinks) cache lets the model see.
+
+    The passage goes through the cache in chunks of ``chunk`` tokens (a chunked prefill:
+    the mask gives every query the same keys as one pass would), and each chunk's logits
+    are turned into losses at once, so the [tokens, vocab] logits never exist in full.
+    """
+    if len(ids) < 4:
+        raise ValueError("need a passage of at least four tokens")
+    half = len(ids) // 2
+    cache = SinkWindowCache.empty(model.config, 1, len(ids), window, sinks, model.dtype, model.device)
+    tokens = torch.tensor([ids], device=model.device)
+    total, scored = 0.0, 0
+    for start in range(0, len(ids) - 1, chunk):  # the last token predicts nothing we score
+        end = min(start + chunk, len(ids) - 1)
+        # logits at position p predict token p + 1; we score targets half .. len - 1
+        first = max(start, half - 1)
+        if first >= end:  # all context: fill the cache, skip the LM head but for one row
+            model(tokens[:, start:end], cache=cache, last_only=True)
+            continue
+        rows = torch.arange(first - start, end - start, device=model.device)
+        logits = model(tokens[:, start:end], cache=cache, rows=rows)
+        logp = torch.log_softmax(logits[0].double(), dim=-1)
+        targets = tokens[0, first + 1:end + 1]
+        total -= logp.gather(1, targets[:, None]).sum().item()
+        scored += len(targets)
+    return SecondHalfLoss(window, sinks, scored, total)
+
+
+def passages(ids: list[int], length: int, count: int) -> list[list[int]]:
+    """``count`` consecutive, non-overlapping passages of ``length`` tokens from ``ids``."""
+    if count * length > len(ids):
+        raise ValueError(f"{count} passages of {length} tokens need {count * length}, have {len(ids)}")
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
+def window_loss_sweep(model, texts: list[list[int]], windows, sinks: int = 4) -> list[SecondHalfLoss]:
+    """Full attention, then for each window W: W alone and W + ``sinks``, every loss summed
+    over the passages ``texts`` (one record per setting, for the chapter's table)."""
+    settings = [(None, 0)] + [(w, s) for w in windows for s in (0, sinks)]
+    records = []
+    for window, sink_count in settings:
+        parts = [second_half_loss(model, ids, window, sink_count) for ids in texts]
+        records.append(SecondHalfLoss(window, sink_count, sum(p.tokens_scored for p in parts),
+                                      sum(p.nll_nats for p in parts)))
+    return records
+
+
+# -- 3. how far a token reaches through stacked windows -------------------------------------
+
+def every_layer_windowed(config, window: int) -> tuple[int, ...]:
+    """Layer windows with the global layers windowed too: ``window`` everywhere."""
+    return (window,) * config.num_layers
+
+
+def local_layers_windowed(config, window: int) -> tuple[int | None, ...]:
+    """The model's own pattern with its local layers' window set to ``window`` (global
+    layers stay global): a short window makes the reach measurable on a short input."""
+    return tuple(None if w is None else window for w in config.layer_windows)
+
+
+@dataclass(frozen=True)
+class Influence:
+    """How much the logits at every position moved when one token was replaced."""
+
+    perturbed_position: int
+    layer_windows: tuple[int | None, ...]
+    max_abs_logit_change: list[float]  # one per position of the sequence
+
+    @property
+    def reach_bound(self) -> int | None:
+        """The farthest distance a change can travel: each windowed layer carries it at most
+        W - 1 positions forward; None if a global layer carries it anywhere."""
+        if any(w is None for w in self.layer_windows):
+            return None
+        return sum(w - 1 for w in self.layer_windows)
+
+    @property
+    def farthest_reach(self) -> int | None:
+        """The largest distance after the perturbed position at which any logit moved."""
+        moved = [pos for pos, change in enumerate(self.max_abs_logit_change) if change > 0]
+        return moved[-1] - self.perturbed_position if moved else None
+
+    def by_distance(self) -> list[tuple[int, float]]:
+        """(distance after the perturbed position, change) from the perturbed position on."""
+        changes = self.max_abs_logit_change[self.perturbed_position:]
+        return list(enumerate(changes))
+
+
+@torch.inference_mode()
+def influence_by_distance(model, ids: list[int], perturbed_position: int,
+                          replacement_id: int | None = None,
+                          layer_windows: tuple[int | None, ...] | None = None) -> Influence:
+    """Run ``ids`` twice, the second time with the token at ``perturbed_position`` replaced by
+    ``replacement_id`` (default: the next id), and return the largest |logit difference| at
+    every position.
+
+    ``layer_windows`` (default: the model's own) are imposed through a
+    :class:`~labkit.models.window_cache.WindowedKVCache` built from a copy of the config,
+    not by giving the model a config copy: `Gemma3.forward` also reads
+    ``config.layer_windows`` to pick each layer's RoPE base (local 10,000, global
+    1,000,000), so windowing a global layer through the config would change its positions
+    too. Through the cache only the mask changes, and the model is left untouched.
+    """
+    if not 0 <= perturbed_position < len(ids):
+        raise ValueError(f"position {perturbed_position} is outside the {len(ids)}-token sequence")
+    config = model.config
+    windows = config.layer_windows if layer_windows is None else tuple(layer_windows)
+    if len(windows) != config.num_layers:
+        raise ValueError(f"{len(windows)} windows for {config.num_layers} layers")
+    if replacement_id is None:
+        replacement_id = (ids[perturbed_position] + 1) % config.vocab_size
+    if replacement_id == ids[perturbed_position]:
+        raise ValueError("the replacement must differ from the token it replaces")
+    changed = list(ids)
+    changed[perturbed_position] = replacement_id
+    cache_config = replace(config, layer_windows=windows)
+
+    def logits(tokens: list[int]) -> torch.Tensor:
+        cache = WindowedKVCache.empty(cache_config, 1, len(tokens), model.dtype, model.device)
+        return model(torch.tensor([tokens], device=model.device), cache=cache)[0]
+
+    change = (logits(changed) - logits(ids)).abs().amax(dim=-1)
+    return Influence(perturbed_position, windows, change.float().tolist())
+
+
+# -- 4. masked window vs rolling cache: bytes held, keys read -------------------------------
+
+@dataclass(frozen=True)
+class DecodeStepCost:
+    """One decode step at context ``context`` under one caching scheme, summed over layers.
+
+    ``keys_read``: cached positions the attention kernel reads (each a key and a value per
+    KV head); ``keys_attended``: those the mask lets the query see. A mask over a full
+    cache reads every position and throws most away; a rolling cache reads only what it
+    attends to."""
+
+    scheme: str
+    context: int
+    kv_bytes_held: int
+    keys_read: int
+    keys_attended: int
+    kv_bytes_read: int
+
+
+SCHEMES = ("full cache", "mask over full cache", "rolling cache")
+
+
+def decode_step_costs(config, context: int, dtype_bytes: int = 4) -> list[DecodeStepCost]:
+    """The three schemes of chapter 22 for a model with ``config.layer_windows`` (Gemma 3).
+
+    "full cache" is the same model with every layer global (what it would cost without
+    windows); the other two run the real windows, as
+    :class:`~labkit.models.window_cache.WindowedKVCache` and
+    :class:`~labkit.models.window_cache.RollingKVCache` do.
+    """
+    per_layer_position = 2 * config.num_kv_heads * config.head_dim * dtype_bytes  # a key and a value
+    all_positions = sum(layer_positions(config, context, rolling=False))
+    in_windows = sum(layer_positions(config, context, rolling=True))
+    rows = (  # (held, read, attended), in layer-positions
+        (all_positions, all_positions, all_positions),
+        (all_positions, all_positions, in_windows),
+        (in_windows, in_windows, in_windows),
+    )
+    return [DecodeStepCost(scheme, context, held * per_layer_position, read, attended,
+                           read * per_layer_position)
+            for scheme, (held, read, attended) in zip(SCHEMES, rows)]
