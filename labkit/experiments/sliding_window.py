@@ -32,11 +32,10 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from labkit.experiments.kv_heads import layer_positions
 from labkit.models.llama import KVCache
-from labkit.models.window_cache import WindowedKVCache
+from labkit.models.window_cache import WindowedKVCache, windowed_attention
 
 
 # -- 1. a window (and sinks) imposed by the cache -------------------------------------------
@@ -51,16 +50,7 @@ def sink_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     q: [B, kv_heads, group, T, D] for positions q_start .. q_start+T-1
     k, v: [B, kv_heads, S, D] for positions 0 .. S-1
     """
-    batch, kv_heads, group, steps, dim = q.shape
-    q_pos = torch.arange(q_start, q_start + steps, device=q.device)[:, None]
-    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible &= (k_pos > q_pos - window) | (k_pos < sinks)
-    stacked = q.reshape(batch, kv_heads, group * steps, dim)  # row r: position r % T
-    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=visible.repeat(group, 1),
-                                         scale=scale)
-    return out.reshape(q.shape)
+    return windowed_attention(q, k, v, q_start, window, scale, sinks=sinks)
 
 
 @dataclass

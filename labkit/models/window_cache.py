@@ -43,11 +43,12 @@ class WindowedShape(Protocol):
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
-                       window: int | None, scale: float) -> torch.Tensor:
+                       window: int | None, scale: float, sinks: int = 0) -> torch.Tensor:
     """Causal attention in which `group` query heads share each KV head (the layout of
     `llama.grouped_attention`), and a query at position i sees the keys at positions j with
     i - window < j <= i: itself and the window - 1 before it (transformers'
-    sliding_window_overlay), or every j <= i when window is None.
+    sliding_window_overlay), or every j <= i when window is None. `sinks`: the first
+    positions stay visible to every query whatever the window (chapter 22's attention sinks).
 
     q: [B, kv_heads, group, T, D] for positions q_start .. q_start+T-1
     k, v: [B, kv_heads, S, D] for positions 0 .. S-1
@@ -57,7 +58,7 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_star
     k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
     visible = k_pos <= q_pos
     if window is not None:
-        visible &= k_pos > q_pos - window
+        visible &= (k_pos > q_pos - window) | (k_pos < sinks)
     stacked = q.reshape(batch, kv_heads, group * steps, dim)  # row r: position r % T
     out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=visible.repeat(group, 1),
                                          scale=scale)
