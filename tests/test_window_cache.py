@@ -91,6 +91,15 @@ def test_gemma_past_its_window_gives_the_full_caches_greedy_tokens(gemma):
     assert ring.nbytes() < 0.8 * full_bytes
 
 
+def test_gemma_and_its_caches_meet_the_engines_contracts(gemma):
+    """Gemma 3 is served through the written contracts alone: the model is a `ServedModel`
+    whose config is a `ModelShape`, and both of its caches are `KVCacheView`s."""
+    from labkit.engine.interfaces import KVCacheView, ModelShape, ServedModel
+
+    assert isinstance(gemma, ServedModel) and isinstance(gemma.config, ModelShape)
+    assert all(isinstance(gemma.new_cache(1, 8, rolling=r), KVCacheView) for r in (True, False))
+
+
 @pytest.mark.slow
 def test_the_paged_engine_runs_gemma_through_its_windows(gemma):
     """LLMEngine on Gemma: a 600-token prompt prefilled in chunks of 256 (past the window)
