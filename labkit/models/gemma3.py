@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from labkit.models import gguf_file
 from labkit.models.gguf_file import field_value
 from labkit.models.llama import Weights, apply_rope, check_positions, linear, rms_norm, rope_tables
 from labkit.models.window_cache import RollingKVCache, WindowedKVCache, windowed_attention
@@ -136,16 +137,7 @@ GGUF_TO_HF_LAYER = {
 
 def hf_name(gguf_name: str) -> str:
     """A GGUF tensor name -> the Hugging Face Gemma 3 name (our cache uses HF names)."""
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    if gguf_name == "output.weight":  # absent when the LM head is the embedding (always, so far)
-        return "lm_head.weight"
-    block, index, part, kind = gguf_name.split(".")
-    if block != "blk" or part not in GGUF_TO_HF_LAYER:
-        raise KeyError(f"unexpected tensor {gguf_name!r}")
-    return f"model.layers.{index}.{GGUF_TO_HF_LAYER[part]}.{kind}"
+    return gguf_file.hf_name(gguf_name, GGUF_TO_HF_LAYER)
 
 
 def gemma3_state_dict(reader) -> dict[str, np.ndarray]:

@@ -142,8 +142,10 @@ _LAYER_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
-    """Map a GGUF tensor name to the Hugging Face Llama name (our cache uses HF names)."""
+def hf_name(gguf_name: str, layer_names: dict[str, str] | None = None) -> str:
+    """Map a GGUF tensor name to the Hugging Face name (our cache uses HF names): a layer's
+    tensors through `layer_names` (GGUF part -> HF module path; default the Llama's)."""
+    layer_names = _LAYER_NAMES if layer_names is None else layer_names
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
@@ -151,9 +153,9 @@ def hf_name(gguf_name: str) -> str:
     if gguf_name == "output.weight":
         return "lm_head.weight"
     block, index, part, kind = gguf_name.split(".")
-    if block != "blk" or part not in _LAYER_NAMES:
+    if block != "blk" or part not in layer_names:
         raise KeyError(f"unexpected tensor {gguf_name!r}")
-    return f"model.layers.{index}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{index}.{layer_names[part]}.{kind}"
 
 
 def dequantized_state_dict(reader, config: LlamaConfig) -> dict[str, np.ndarray]:
