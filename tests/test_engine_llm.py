@@ -155,15 +155,40 @@ def test_stop_token_ends_a_sample_without_emitting_it(tiny):
     (dict(prompt=[1], n=0), "n must be"),
     (dict(prompt=[1] * 500, params=SamplingParams(max_tokens=20)), "context"),
     (dict(prompt=[1] * 200, params=SamplingParams(max_tokens=100)), "KV blocks"),
+    (dict(prompt=[1], n=9), "more than the 8 sequences"),
+    (dict(prompt=[1], params=SamplingParams(stop_token_ids=(3, VOCAB))), r"stop token ids \[97\]"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(tiny, bad, message):
-    eng = engine(tiny, tokens=256)
+    eng = engine(tiny, tokens=256, max_num_seqs=8)
     with pytest.raises(ValueError, match=message):
         eng.add_request(bad["prompt"], bad.get("params"), n=bad.get("n", 1))
     assert not eng.requests and not eng.has_unfinished() and eng.stats().blocks_used == 0
     eng.add_request([1, 2], request_id="x")
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request([3], request_id="x")
+
+
+@pytest.mark.parametrize("prompt_tokens, max_tokens, n, stops, code, param", [
+    (250, 6, 1, (), None, None),                        # exactly the pool: admitted
+    (250, 7, 1, (), "kv_budget_exceeded", "max_tokens"),
+    (299, 2, 1, (), "context_length_exceeded", "max_tokens"),
+    (300, 1, 1, (), "context_length_exceeded", "prompt"),
+    (512, 1, 1, (), "context_length_exceeded", "prompt"),
+    (10, 10, 8, (), None, None),
+    (10, 10, 9, (), "too_many_samples", "n"),
+    (10, 10, 1, (VOCAB - 1,), None, None),
+    (10, 10, 1, (-1,), "unknown_token", "stop_token_ids"),
+])
+def test_admission_names_what_the_runtime_cannot_do(tiny, prompt_tokens, max_tokens, n, stops, code, param):
+    # the tiny model's context is 300 positions here, the pool 64 blocks of 4 tokens
+    eng = LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_tokens=256, max_model_len=300,
+                                       scheduler=SchedulerConfig(max_num_seqs=8)))
+    refused = eng.limits.refusal(prompt_tokens, max_tokens, n=n, stop_token_ids=stops)
+    assert (refused and (refused.code, refused.param)) == ((code, param) if code else None)
+    if code is None and prompt_tokens + max_tokens <= 20:  # a small admitted one runs
+        out = eng.generate([[1] * prompt_tokens], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                 stop_token_ids=stops), n=n)[0]
+        assert len(out.samples) == n and eng.stats().blocks_used == 0
 
 
 def test_reservation_admits_fewer_sequences_than_paging(tiny):

@@ -14,9 +14,12 @@ from labkit.experiments.kv_heads import (
     gqa_inputs,
     gqa_read_once,
     gqa_repeat_kv,
+    gqa_runners,
     kv_bytes_per_token,
+    llama_parameters,
     merge_groups,
     mla_absorbed,
+    mla_decode_runners,
     mla_naive,
     pool_kv_heads,
     read_once_bytes_moved,
@@ -44,6 +47,23 @@ def test_smollm2_bytes_per_token(model):
     assert context_cache_bytes(c, 1000, rolling=True) == context_cache_bytes(c, 1000) == 46_080_000
     assert model.new_cache(1, 16).nbytes(1) == kv_bytes_per_token(c)
     assert sequences_that_fit(2**30, 2048, c) == 2**30 // (2048 * 46_080) == 11
+
+
+def test_llama_parameters_from_the_config(model):
+    from conftest import make_tiny_llama
+
+    # the closed form against the tensors really loaded (SmolLM2) and a tiny random model
+    assert llama_parameters(model.config) == model.num_parameters() == 134_515_008
+    tiny = make_tiny_llama(heads=8, kv_heads=4)
+    assert llama_parameters(tiny.config) == tiny.num_parameters()
+    # Llama-3.2-3B's published config: the model card's 3.21B parameters
+    from labkit.models.gguf_file import LlamaConfig
+
+    llama3b = LlamaConfig(vocab_size=128_256, hidden_size=3072, intermediate_size=8192,
+                          num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
+                          rope_theta=500_000.0, rms_norm_eps=1e-5, max_position_embeddings=131_072)
+    assert round(llama_parameters(llama3b) / 1e9, 2) == 3.21
+    assert kv_bytes_per_token(llama3b, dtype_bytes=2) == 112 * 1024
 
 
 @pytest.mark.slow
@@ -85,6 +105,14 @@ def test_gqa_kernels_equal_sdpa(kv_heads):
     scores = torch.einsum("bhd,bhsd->bhs", q, k[:, head_to_kv]) / 8.0
     exact = torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v[:, head_to_kv])
     torch.testing.assert_close(gqa_read_once(q, k, v), exact, atol=1e-12, rtol=1e-12)
+
+
+def test_gqa_runners_run_the_two_kernels():
+    x = gqa_inputs(1, 8, 2, 5, 4, seed=3)
+    runners = gqa_runners(x)
+    assert list(runners) == ["repeat", "read once"]
+    torch.testing.assert_close(runners["repeat"](), gqa_repeat_kv(x.q, x.k, x.v), atol=0, rtol=0)
+    torch.testing.assert_close(runners["read once"](), gqa_read_once(x.q, x.k, x.v), atol=0, rtol=0)
 
 
 def test_gqa_inputs_need_a_divisor():
@@ -269,3 +297,14 @@ def test_mla_naive_matches_transformers_deepseek_v2():
     cache = LatentCache.empty(s, batch, steps)
     ours = torch.stack([mla_naive(layer, x[:, t], cache) for t in range(steps)], dim=1)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_decode_runners_repeat_one_step():
+    layer = LatentAttention.random(SHAPE, seed=5, dtype=torch.float64)
+    runners = mla_decode_runners(layer, context=11, batch=2, seed=6)
+    assert list(runners) == ["naive", "absorbed"]
+    first = runners["naive"]()
+    assert first.shape == (2, SHAPE.d_model)
+    # every call is the same step: same position, same cache length afterwards
+    torch.testing.assert_close(runners["naive"](), first, atol=0, rtol=0)
+    torch.testing.assert_close(runners["absorbed"](), first, atol=1e-12, rtol=1e-12)

@@ -161,3 +161,29 @@ def test_with_a_capacity_the_same_token_depends_on_its_neighbours(weights):
     loose = moe.neighbour_dependence(token, neighbours, weights, capacity_factor=4.0)
     assert loose.dropped_last == 0 and loose.max_abs_diff < 1e-5
     torch.testing.assert_close(tight.first, loose.first, rtol=0, atol=1e-6)
+
+
+def test_time_layers_records_every_layer_within_its_limit(weights):
+    layers = {"moe": lambda x: moe.grouped(x, weights),
+              "loop": lambda x: moe.dense_loop(x, weights)}
+    records = moe.time_layers(layers, HIDDEN, [1, 4], rounds=2, max_tokens={"loop": 1})
+    assert [(r["tokens"], r["layer"]) for r in records] == [(1, "moe"), (1, "loop"), (4, "moe")]
+    for r in records:
+        assert r["repeats"] == 2 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+
+
+def test_router_distinct_experts_is_k_for_one_token_and_at_most_e(weights):
+    assert moe.router_distinct_experts(weights, 1, trials=5) == [2] * 5
+    many = moe.router_distinct_experts(weights, 64, trials=5, seed=1)
+    assert all(2 <= n <= 8 for n in many) and max(many) == 8
+
+
+def test_capacity_drops_counts_agree_with_the_loads(weights):
+    records = moe.capacity_drops(weights, 32, [1.0, 4.0], batches=3)
+    assert len(records) == 6 and all(r["as_expected"] for r in records)
+    loose = [r for r in records if r["factor"] == 4.0]
+    assert all(r["capacity"] == 32 and r["dropped"] == 0 and r["tokens_lost"] == 0 for r in loose)
+    tight = [r for r in records if r["factor"] == 1.0]
+    assert all(r["capacity"] == 8 for r in tight) and sum(r["dropped"] for r in tight) > 0
+    for r in tight:
+        assert r["dropped_share"] == r["dropped"] / 64

@@ -15,7 +15,7 @@ from labkit.experiments.sliding_window import (
     second_half_loss,
     sink_window_attention,
 )
-from labkit.models.window_cache import windowed_attention
+from labkit.models.window_cache import WindowedKVCache, windowed_attention
 
 
 def grouped_qkv(steps=12, keys=20, seed=0, dtype=torch.float32):
@@ -160,3 +160,90 @@ def test_decode_step_costs():
     assert rolling.kv_bytes_held == rolling.kv_bytes_read == (15 * 512 + 3 * 4096) * per_position
     # inside the window the three are the same
     assert len({(c.kv_bytes_held, c.keys_read) for c in decode_step_costs(config, 300)}) == 1
+
+
+# -- per-passage sweep and the share recovered -----------------------------------------------
+
+def test_passage_sweep_keeps_passages_apart(tiny_llama):
+    from labkit.experiments.sliding_window import passage_sweep, window_loss_sweep
+
+    gen = torch.Generator().manual_seed(0)
+    texts = [torch.randint(0, 97, (40,), generator=gen).tolist() for _ in range(2)]
+    rows = passage_sweep(tiny_llama, texts, [8], sinks=(1, 4))
+    assert [(r["passage"], r["window"], r["sinks"]) for r in rows] == [
+        (p, w, s) for p in (0, 1) for w, s in ((None, 0), (8, 0), (8, 1), (8, 4))]
+    full = second_half_loss(tiny_llama, texts[1], None)
+    assert rows[4]["nats_per_token"] == pytest.approx(full.nats_per_token, rel=1e-12)
+    assert rows[4]["bits_per_token"] == pytest.approx(full.nats_per_token / math.log(2))
+    assert rows[6]["setting"] == "window 8 + 1 sink" and rows[4]["tokens"] == 20
+    # summed over passages, the rows are window_loss_sweep's records
+    summed = window_loss_sweep(tiny_llama, texts, [8], sinks=4)
+    for record in summed:
+        mine = [r for r in rows if (r["window"], r["sinks"]) == (record.window, record.sinks)]
+        total = sum(r["nats_per_token"] * r["tokens"] for r in mine)
+        assert total == pytest.approx(record.nll_nats, rel=1e-9)
+
+
+def test_damage_recovered():
+    from labkit.experiments.sliding_window import damage_recovered
+
+    assert damage_recovered(3.00, 7.07, 3.35) == pytest.approx(0.914, abs=1e-3)  # the source's
+    assert damage_recovered(3.0, 5.0, 3.0) == 1.0 and damage_recovered(3.0, 5.0, 5.0) == 0.0
+    assert damage_recovered(3.0, 5.0, 6.0) < 0
+    with pytest.raises(ValueError):
+        damage_recovered(3.0, 3.0, 3.0)
+
+
+# -- Gemma 3: what the timed steps run ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_primed_caches_and_runners(gemma):
+    from labkit.experiments.sliding_window import (SCHEMES, attention_runner,
+                                                   decode_step_runner, primed_cache)
+
+    caches = {scheme: primed_cache(gemma, scheme, 600) for scheme in SCHEMES}
+    assert all(cache.length == 600 for cache in caches.values())
+    assert caches["rolling cache"].nbytes() == sum(
+        c.kv_bytes_held for c in decode_step_costs(gemma.config, 601)  # room for the step
+        if c.scheme == "rolling cache")
+    assert caches["full cache"].layer_windows == (None,) * 18
+    assert caches["mask over full cache"].layer_windows == gemma.config.layer_windows
+    for cache in caches.values():
+        step = decode_step_runner(gemma, cache)
+        first, second = step(), step()
+        assert first.shape == (1, 1, 262_144) and cache.length == 600
+        torch.testing.assert_close(first, second, rtol=0, atol=0)  # the same step each call
+        outs = attention_runner(gemma, cache)()
+        assert len(outs) == 18 and outs[0].shape == (1, 1, 4, 1, 256)
+    with pytest.raises(ValueError):
+        primed_cache(gemma, "paged", 10)
+
+
+@pytest.mark.slow
+def test_rolling_and_masked_caches_give_the_same_greedy_tokens(gemma, gemma_ids):
+    from dataclasses import replace
+
+    from labkit.experiments.sliding_window import greedy_with_cache
+    from labkit.models.window_cache import RollingKVCache
+
+    config = replace(gemma.config, layer_windows=local_layers_windowed(gemma.config, 8))
+    rolling = greedy_with_cache(gemma, RollingKVCache(config, 1, 60), gemma_ids[:40], 12)
+    masked = greedy_with_cache(gemma, WindowedKVCache.empty(config, 1, 60), gemma_ids[:40], 12)
+    assert rolling.token_ids == masked.token_ids and len(rolling.token_ids) == 12
+    gap = max((a - b).abs().max().item() for a, b in zip(rolling.logits, masked.logits))
+    assert gap < 1e-3
+
+
+def test_cache_nbytes_is_the_closed_form():
+    from types import SimpleNamespace
+
+    from labkit.experiments.sliding_window import cache_nbytes
+    from labkit.models.window_cache import RollingKVCache
+
+    config = SimpleNamespace(num_layers=6, num_kv_heads=2, head_dim=8, attention_scale=0.3,
+                             layer_windows=(16, 16, None, 16, 16, None))
+    for context in (10, 16, 100):
+        costs = {c.scheme: c.kv_bytes_held for c in decode_step_costs(config, context)}
+        assert cache_nbytes(RollingKVCache(config, 1, context)) == costs["rolling cache"]
+        masked = WindowedKVCache.empty(config, 1, context)
+        assert cache_nbytes(masked) == costs["mask over full cache"] == costs["full cache"]

@@ -1,13 +1,40 @@
-"""What fits: the sizes every request is checked against before it is queued.
+"""Admission: what the runtime cannot do, refused before any work is done.
 
-The engine checks a request with these in `LLMEngine.check_request`; the HTTP service's front
-end, which has no engine in its process, gets them from its worker and checks the same way,
-so a request that cannot fit is refused before anything is sent.
+A request the engine cannot serve must fail at the door, not halfway through: a prompt that
+passes the model's last position fails in the middle of its prefill, after its earlier
+chunks ran and held blocks; a request whose tokens outgrow the whole KV pool preempts itself
+forever. `EngineLimits.refusal` checks a request against what this engine, with this model,
+can do, and names the first thing it cannot:
+
+- ``context_length_exceeded``: prompt + max_tokens is longer than the model's context (its
+  RoPE table, or a shorter `EngineConfig.max_model_len`);
+- ``kv_budget_exceeded``: one sample's tokens need more KV blocks than the whole pool has;
+- ``too_many_samples``: n samples are more than the engine runs at once (they decode
+  together, forked from one prefill);
+- ``unknown_token``: a stop token id that this model's vocabulary does not have (it could
+  never match, so the field would be silently ignored).
+
+The engine checks every request with it (`LLMEngine.check_request`); the HTTP service's
+front end, which has no engine in its process, gets the limits from its worker and checks
+the same way, so a request that cannot be served is refused before anything is sent. The
+check reads four integers and a list; it does no model work.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+
+REFUSAL_CODES = ("context_length_exceeded", "kv_budget_exceeded", "too_many_samples", "unknown_token")
+
+
+class Refused(ValueError):
+    """A request the runtime cannot serve: `code` (one of REFUSAL_CODES) says why and
+    `param` names the request field to change."""
+
+    def __init__(self, code: str, message: str, param: str):
+        super().__init__(message)
+        self.code, self.param = code, param
 
 
 @dataclass(frozen=True)
@@ -16,12 +43,36 @@ class EngineLimits:
     block_size: int
     num_blocks: int      # the KV pool
     vocab_size: int
+    max_num_seqs: int = sys.maxsize  # sequences the engine runs at once
 
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError if prompt + output cannot fit the context or the KV pool."""
+    def refusal(self, prompt_tokens: int, max_tokens: int, *, n: int = 1,
+                stop_token_ids: tuple[int, ...] = ()) -> Refused | None:
+        """Why this engine cannot serve such a request, or None if it can."""
         total = prompt_tokens + max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
-        if -(-total // self.block_size) > self.num_blocks:
-            raise ValueError(f"{total} tokens need more KV blocks than the pool's {self.num_blocks}")
+            param = "prompt" if prompt_tokens >= self.max_model_len else "max_tokens"
+            return Refused("context_length_exceeded",
+                           f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                           f"exceeds the model's context of {self.max_model_len} tokens", param)
+        blocks = -(-total // self.block_size)
+        if blocks > self.num_blocks:
+            return Refused("kv_budget_exceeded",
+                           f"{total} tokens need {blocks} KV blocks of {self.block_size} tokens, more "
+                           f"than the pool's {self.num_blocks}", "max_tokens")
+        if n > self.max_num_seqs:
+            return Refused("too_many_samples",
+                           f"n = {n} samples are more than the {self.max_num_seqs} sequences this "
+                           f"engine runs at once", "n")
+        unknown = sorted({t for t in stop_token_ids if not 0 <= t < self.vocab_size})
+        if unknown:
+            return Refused("unknown_token",
+                           f"stop token ids {unknown} are outside the model's vocabulary of "
+                           f"{self.vocab_size}", "stop_token_ids")
+        return None
+
+    def check(self, prompt_tokens: int, max_tokens: int, *, n: int = 1,
+              stop_token_ids: tuple[int, ...] = ()) -> None:
+        """Raise `Refused` (a ValueError) if the request cannot be served."""
+        refused = self.refusal(prompt_tokens, max_tokens, n=n, stop_token_ids=stop_token_ids)
+        if refused is not None:
+            raise refused

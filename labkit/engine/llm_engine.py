@@ -154,7 +154,8 @@ class LLMEngine:
             self.weights, self.weights_fallback = prepared.weights, prepared.fallback
         self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
         self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
-        self.limits = EngineLimits(self.max_model_len, c.block_size, c.num_blocks, model.config.vocab_size)
+        self.limits = EngineLimits(self.max_model_len, c.block_size, c.num_blocks, model.config.vocab_size,
+                                   c.scheduler.max_num_seqs)
         self.pool = self.backend.new_pool(model.config, c.num_blocks, c.block_size, kv_dtype, model.device)
         self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
@@ -169,14 +170,16 @@ class LLMEngine:
     def check_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
                       n: int = 1) -> list[int]:
         """The prompt's token ids, if the engine can serve this request; else ValueError (an
-        empty or out-of-vocabulary prompt, n < 1, or more tokens than the model's context or
-        the KV pool can ever hold). Reads nothing that a step changes, so a front end may
-        call it from its own thread before it sends the request to the engine."""
+        empty or out-of-vocabulary prompt, n < 1) or its subclass `limits.Refused` (what the
+        engine cannot do: more tokens than the model's context or the KV pool, more samples
+        than it runs at once, a stop token the model does not have). Reads nothing that a
+        step changes, so a front end may call it from its own thread before it sends the
+        request to the engine."""
         params = params or SamplingParams(temperature=0.0)
         ids = encode_prompt(prompt, self.model.tokenizer, self.model.config.vocab_size)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        self.limits.check(len(ids), params.max_tokens)
+        self.limits.check(len(ids), params.max_tokens, n=n, stop_token_ids=params.stop_token_ids)
         return ids
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,

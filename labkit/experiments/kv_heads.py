@@ -5,7 +5,7 @@ vector for every *KV head*, not for every query head. So the cache size is set b
 number of KV heads, and each way of cutting it is a choice about those heads:
 
 * :func:`kv_bytes_per_token`, :func:`context_cache_bytes`, :func:`sequences_that_fit`: the
-  arithmetic, ``2 x layers x kv_heads x head_dim x bytes`` per token, for SmolLM2 (9 query
+  arithmetic (with :func:`llama_parameters` for the weights that share the memory), ``2 x layers x kv_heads x head_dim x bytes`` per token, for SmolLM2 (9 query
   heads sharing 3 KV heads) and Gemma 3 270M (4 query heads sharing 1 KV head, and five of
   every six layers attending through a 512-token window, so a rolling cache keeps only 512
   positions there; see :class:`labkit.models.window_cache.RollingKVCache`).
@@ -15,7 +15,8 @@ number of KV heads, and each way of cutting it is a choice about those heads:
   multi-head cache, so the step moves as many bytes as if the model had never shared its
   heads. Reading each KV head once for all the query heads that share it moves only the
   cache itself. :func:`repeat_kv_bytes_moved` and :func:`read_once_bytes_moved` count the
-  bytes; :func:`gqa_inputs` builds inputs for a timing sweep over KV head counts.
+  bytes; :func:`gqa_inputs` builds inputs for a timing sweep over KV head counts and
+  :func:`gqa_runners` the two calls to time on them.
 * :func:`pool_kv_heads`: turn a trained model's KV heads into fewer by averaging the key and
   value projections of the heads that merge (the GQA paper's "uptraining" starting point,
   without the uptraining). The cache shrinks; the chapter measures what the logits lose.
@@ -25,7 +26,8 @@ number of KV heads, and each way of cutting it is a choice about those heads:
   only that latent (plus one small RoPE key shared by every head) is cached. The naive
   decode step rebuilds every head's keys and values from the cached latents; the absorbed
   step folds the up-projections into the query and the output projection and attends
-  over the latents directly. The two give the same output.
+  over the latents directly. The two give the same output. :func:`mla_decode_runners`
+  gives one decode step of each over a filled cache, to time.
 
 Everything here runs on whatever device its tensors are on; nothing is timed here (the
 notebook times the kernels with :mod:`labkit.util.timing`).
@@ -52,6 +54,22 @@ def kv_bytes_per_token(config, dtype_bytes: int = 4) -> int:
     (:class:`~labkit.models.gguf_file.LlamaConfig`, :class:`~labkit.models.gemma3.Gemma3Config`).
     """
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def llama_parameters(config) -> int:
+    """Learned parameters of a Llama-shaped model from its config alone: per layer the
+    query, key, value and output projections, the three MLP matrices and two norms; the
+    embedding (counted once when tied to the LM head) and the final norm.
+
+    For a model that is not on this machine (Llama-3.2-3B) this turns its published config
+    into the bytes its weights take; the test holds it to SmolLM2's counted tensors.
+    """
+    c = config
+    q_and_o = 2 * c.hidden_size * c.num_heads * c.head_dim
+    k_and_v = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    per_layer = q_and_o + k_and_v + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return embeddings + c.num_layers * per_layer + c.hidden_size
 
 
 def layer_positions(config, context: int, rolling: bool) -> list[int]:
@@ -166,6 +184,14 @@ def gqa_read_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     kv_heads = k.shape[1]
     rows = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h -> (h // group, h % group)
     return F.scaled_dot_product_attention(rows, k, v).reshape(batch, heads, dim)
+
+
+def gqa_runners(x: GQAInputs) -> dict:
+    """The two kernels as calls without arguments on the inputs ``x``, named as the
+    chapter names them: {"repeat": ..., "read once": ...} (for
+    :func:`labkit.util.timing.measure_interleaved`)."""
+    return {"repeat": lambda: gqa_repeat_kv(x.q, x.k, x.v),
+            "read once": lambda: gqa_read_once(x.q, x.k, x.v)}
 
 
 @dataclass(frozen=True)
@@ -462,3 +488,35 @@ def mla_absorbed(layer: LatentAttention, x: torch.Tensor, cache: LatentCache,
     weights = torch.softmax(scores, dim=-1)
     out_latent = torch.einsum("bhs,bsr->bhr", weights, latents)  # [B, H, r]
     return torch.einsum("bhr,mhr->bm", out_latent, absorbed.latent_to_output)
+
+
+def mla_decode_runners(layer: LatentAttention, context: int, batch: int = 1,
+                       seed: int = 0) -> dict:
+    """One decode step of each MLA path at position ``context - 1``, as calls without
+    arguments: {"naive": ..., "absorbed": ...} (for
+    :func:`labkit.util.timing.measure_interleaved`).
+
+    The cache is filled once with ``context - 1`` seeded latents and RoPE keys (random
+    numbers: the work of a step does not depend on their values); every call resets its
+    length, so each call appends the same token at the same position and attends over
+    ``context`` positions. The absorbed weights are computed once, outside the timed call,
+    as an engine would at load time.
+    """
+    s = layer.shape
+    dtype = layer.w_dkv.dtype
+    gen = torch.Generator().manual_seed(seed)
+    cache = LatentCache.empty(s, batch, context, dtype)
+    cache.latents.copy_(torch.randn(cache.latents.shape, generator=gen, dtype=torch.float64))
+    cache.rope_keys.copy_(torch.randn(cache.rope_keys.shape, generator=gen, dtype=torch.float64))
+    x = torch.randn(batch, s.d_model, generator=gen, dtype=torch.float64).to(dtype)
+    absorbed = absorb(layer)
+
+    def naive() -> torch.Tensor:
+        cache.length = context - 1
+        return mla_naive(layer, x, cache)
+
+    def fast() -> torch.Tensor:
+        cache.length = context - 1
+        return mla_absorbed(layer, x, cache, absorbed)
+
+    return {"naive": naive, "absorbed": fast}

@@ -489,3 +489,68 @@ def neighbour_dependence(token: torch.Tensor, neighbours: torch.Tensor, weights:
     return NeighbourDependence(first=ahead[0], last=behind[-1],
                                dropped_first=int((~ahead_record.kept[0]).sum()),
                                dropped_last=int((~behind_record.kept[-1]).sum()))
+
+
+# --- measuring a sweep (what the chapter's cells call) ------------------------------------
+
+def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidden: int,
+                batch_sizes: list[int], rounds: int, *, warmup: int = 1,
+                max_tokens: dict[str, int] | None = None, seed: int = 0,
+                threads: int | None = None) -> list[dict]:
+    """Time every layer of ``layers`` (each a function of the tokens ``x [T, hidden]``) at
+    every batch size ``T``, on the same seeded random tokens, the layers in turns
+    (:func:`labkit.util.timing.measure_interleaved`) so that a slow spell of a shared
+    machine falls on all of them alike. ``max_tokens`` leaves a layer out above a size
+    (the dense loop, whose cost only grows).
+
+    Returns one record per (T, layer): ``tokens``, ``layer``, ``median_ms``, ``min_ms``,
+    ``p25_ms``, ``p75_ms``, ``max_ms``, ``repeats``."""
+    from labkit.util.timing import measure_interleaved
+
+    limits = max_tokens or {}
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for tokens in batch_sizes:
+        x = torch.randn(tokens, hidden, generator=g)
+        runners = {name: (lambda fn=fn: fn(x)) for name, fn in layers.items()
+                   if tokens <= limits.get(name, tokens)}
+        with torch.no_grad():
+            timings = measure_interleaved(runners, rounds=rounds, warmup=warmup, threads=threads)
+        for name, t in timings.items():
+            records.append({"tokens": tokens, "layer": name, "median_ms": 1e3 * t.median,
+                            "min_ms": 1e3 * t.min, "p25_ms": 1e3 * t.quantile(0.25),
+                            "p75_ms": 1e3 * t.quantile(0.75), "max_ms": 1e3 * t.max,
+                            "repeats": len(t.samples)})
+    return records
+
+
+def router_distinct_experts(weights: MoEWeights, tokens: int, trials: int, seed: int = 0) -> list[int]:
+    """:func:`distinct_experts` under the layer's own router for ``trials`` batches of
+    ``tokens`` random tokens (standard normal): what a step over such a batch must read,
+    to set beside the uniform closed form :func:`expected_distinct_experts`."""
+    g = torch.Generator().manual_seed(seed)
+    return [distinct_experts(route(torch.randn(tokens, weights.hidden, generator=g), weights))
+            for _ in range(trials)]
+
+
+def capacity_drops(weights: MoEWeights, tokens: int, factors: list[float], batches: int,
+                   seed: int = 0) -> list[dict]:
+    """Run :func:`capacity_forward` on ``batches`` seeded batches of ``tokens`` random tokens
+    at every capacity factor, and count what the limit did.
+
+    One record per (factor, batch): ``factor``, ``batch``, ``capacity``, ``dropped``
+    (assignments), ``dropped_share`` (of the ``T k``), ``tokens_lost`` (tokens that lost
+    every expert, passed through only by the residual), ``as_expected`` (the count equals
+    :func:`expected_drops` from the loads)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(tokens, weights.hidden, generator=g) for _ in range(batches)]
+    records = []
+    for factor in factors:
+        for b, x in enumerate(xs):
+            _, record = capacity_forward(x, weights, factor)
+            records.append({"factor": factor, "batch": b, "capacity": record.capacity,
+                            "dropped": record.dropped,
+                            "dropped_share": record.dropped / record.kept.numel(),
+                            "tokens_lost": int((~record.kept).all(dim=1).sum()),
+                            "as_expected": record.dropped == expected_drops(record.load, record.capacity)})
+    return records

@@ -23,7 +23,9 @@ and 17 are global); SmolLM2 was trained with full attention. Four pieces:
   mask over a full cache (:class:`~labkit.models.window_cache.WindowedKVCache`), and a
   rolling cache (:class:`~labkit.models.window_cache.RollingKVCache`).
 
-Nothing is timed here (the notebook times with :mod:`labkit.util.timing`).
+Nothing is timed here (the notebook times with :mod:`labkit.util.timing`), but
+:func:`primed_cache`, :func:`decode_step_runner` and :func:`attention_runner` build what it
+times.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from labkit.experiments.kv_heads import layer_positions
 from labkit.models.llama import KVCache
-from labkit.models.window_cache import WindowedKVCache, windowed_attention
+from labkit.models.window_cache import RollingKVCache, WindowedKVCache, windowed_attention
 
 
 # -- 1. a window (and sinks) imposed by the cache -------------------------------------------
@@ -112,7 +114,9 @@ class SecondHalfLoss:
     def label(self) -> str:
         if self.window is None:
             return "full attention"
-        return f"window {self.window}" + (f" + {self.sinks} sinks" if self.sinks else "")
+        if not self.sinks:
+            return f"window {self.window}"
+        return f"window {self.window} + {self.sinks} sink" + ("s" if self.sinks > 1 else "")
 
 
 @torch.inference_mode()
@@ -164,6 +168,31 @@ def window_loss_sweep(model, texts: list[list[int]], windows, sinks: int = 4) ->
         records.append(SecondHalfLoss(window, sink_count, sum(p.tokens_scored for p in parts),
                                       sum(p.nll_nats for p in parts)))
     return records
+
+
+def passage_sweep(model, texts: list[list[int]], windows, sinks=(4,)) -> list[dict]:
+    """One row per passage and setting: full attention, then each window W alone and with
+    each number of ``sinks``. Unlike :func:`window_loss_sweep`, which sums over passages,
+    the rows keep each passage apart, so the spread across passages can be shown."""
+    settings = [(None, 0)] + [(w, s) for w in windows for s in (0, *sinks)]
+    rows = []
+    for index, ids in enumerate(texts):
+        for window, sink_count in settings:
+            r = second_half_loss(model, ids, window, sink_count)
+            rows.append({"passage": index, "setting": r.label, "window": window,
+                         "sinks": sink_count, "tokens": r.tokens_scored,
+                         "nats_per_token": r.nats_per_token,
+                         "bits_per_token": r.nats_per_token / math.log(2)})
+    return rows
+
+
+def damage_recovered(full: float, window: float, window_sinks: float) -> float:
+    """The share of a window's damage that the sinks take back:
+    (window - window with sinks) / (window - full), losses in any one unit. 1 means the
+    sinks restore full attention's loss, 0 that they do nothing, below 0 that they hurt."""
+    if window == full:
+        raise ValueError("the window did no damage: the share is undefined")
+    return (window - window_sinks) / (window - full)
 
 
 # -- 3. how far a token reaches through stacked windows -------------------------------------
@@ -285,3 +314,88 @@ def decode_step_costs(config, context: int, dtype_bytes: int = 4) -> list[Decode
     return [DecodeStepCost(scheme, context, held * per_layer_position, read, attended,
                            read * per_layer_position)
             for scheme, (held, read, attended) in zip(SCHEMES, rows)]
+
+
+def primed_cache(model, scheme: str, context: int, seed: int = 0):
+    """A cache of ``scheme`` (one of :data:`SCHEMES`) for a decode step at position
+    ``context``: ``context`` positions of seeded random keys and values, for timing only
+    (what the keys hold does not change what a step reads or computes).
+
+    "full cache": a :class:`~labkit.models.window_cache.WindowedKVCache` with every layer
+    global; "mask over full cache": the same cache with the model's windows as masks;
+    "rolling cache": a :class:`~labkit.models.window_cache.RollingKVCache`. The model's
+    own config (its RoPE bases) is left as it is: only the cache changes.
+    """
+    config = model.config
+    if scheme == "rolling cache":
+        cache = RollingKVCache(config, 1, context + 1, model.dtype, model.device)
+        tensors = cache.keys + cache.values
+    elif scheme in SCHEMES:
+        if scheme == "full cache":
+            config = replace(config, layer_windows=(None,) * config.num_layers)
+        cache = WindowedKVCache.empty(config, 1, context + 1, model.dtype, model.device)
+        tensors = [cache.keys, cache.values]
+    else:
+        raise ValueError(f"unknown scheme {scheme!r}; one of {SCHEMES}")
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for t in tensors:
+        t.normal_(generator=gen)
+    cache.length = context
+    return cache
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes a cache has allocated for keys and values, whatever its length: a
+    :class:`~labkit.models.window_cache.RollingKVCache` (its rings and global layers) or a
+    contiguous `KVCache` such as :class:`~labkit.models.window_cache.WindowedKVCache`."""
+    if isinstance(cache, RollingKVCache):
+        return cache.nbytes()
+    return cache.keys.nbytes + cache.values.nbytes
+
+
+def decode_step_runner(model, cache, token_id: int = 0):
+    """A callable that runs one whole decode step (one token, last row's logits) at the
+    cache's present length, and puts the length back after it, so that every call times
+    the same step."""
+    context = cache.length
+    token = torch.tensor([[token_id]], device=model.device)
+
+    def step():
+        cache.length = context
+        out = model(token, cache=cache, last_only=True)
+        cache.length = context
+        return out
+
+    return step
+
+
+def attention_runner(model, cache, seed: int = 0):
+    """A callable that runs only the attention of one decode step: ``cache.attend`` in every
+    layer for one seeded random query, key and value at the cache's present length (the
+    part of a step the cache's scheme changes; projections, MLPs and the LM head are
+    left out)."""
+    c, context = model.config, cache.length
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    q = torch.randn(1, c.num_kv_heads, c.num_heads // c.num_kv_heads, 1, c.head_dim,
+                    generator=gen, device=model.device).to(model.dtype)
+    kv = torch.randn(1, c.num_kv_heads, 1, c.head_dim, generator=gen,
+                     device=model.device).to(model.dtype)
+
+    @torch.inference_mode()
+    def attend():
+        cache.length = context
+        return [cache.attend(layer, q, kv, kv) for layer in range(c.num_layers)]
+
+    return attend
+
+
+@torch.inference_mode()
+def greedy_with_cache(model, cache, prompt_ids: list[int], new_tokens: int):
+    """Prefill ``prompt_ids`` into ``cache`` (empty), then ``new_tokens`` greedy tokens
+    through it (:func:`labkit.engine.loop.greedy_continue`, logits kept): to hold one
+    cache's tokens and logits against another's."""
+    from labkit.engine.loop import greedy_continue
+
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    logits = model(ids, cache=cache, last_only=True)[:, -1]
+    return greedy_continue(model, cache, logits, new_tokens, keep_logits=True)

@@ -145,14 +145,15 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs,
             ignore_eos=bool(fields.ignore_eos))
 
-    def check_size(prompt_ids: list[int], max_tokens: int, param: str) -> None:
+    def check_size(prompt_ids: list[int], max_tokens: int, param: str, n: int,
+                   stop_token_ids: tuple[int, ...]) -> None:
         if client.limits is None:
             raise APIError(503, "the engine is starting", "engine_unavailable",
                            retry_after=settings.retry_after_seconds)
-        try:
-            client.limits.check(len(prompt_ids), max_tokens)
-        except ValueError as error:
-            raise APIError(400, str(error), "context_length_exceeded", param) from None
+        refused = client.limits.refusal(len(prompt_ids), max_tokens, n=n, stop_token_ids=stop_token_ids)
+        if refused is not None:
+            where = refused.param if refused.code == "too_many_samples" else param
+            raise APIError(400, str(refused), refused.code, where)
 
     def deadline(request: Request, fields: SamplingFields, arrival: float) -> float | None:
         header = request.headers.get("x-deadline-ms")
@@ -241,7 +242,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
             for ids in encoded:
-                check_size(ids, max_tokens, "prompt")
+                check_size(ids, max_tokens, "prompt", fields.n or 1, ())
             params = sampling(fields, max_tokens, fields.logprobs)
             until = deadline(request, fields, arrival)
             admit(encoded, max_tokens, until)
@@ -282,7 +283,8 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             marks["tokenized"] = time.perf_counter()
             limit = fields.max_completion_tokens or fields.max_tokens
             max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
-            check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages")
+            check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages",
+                       fields.n or 1, ())
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
             params = sampling(fields, max_tokens, logprobs)
             until = deadline(request, fields, arrival)
