@@ -1,0 +1,104 @@
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import greedy_reference, make_tiny_llama
+from labkit.experiments import long_context as lc
+from labkit.models.window_cache import RollingKVCache
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(seed=3, max_len=256)
+
+
+def ids_of(n, vocab=97, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_token_losses_equal_one_pass_cross_entropy(tiny):
+    ids = ids_of(200)
+    one_pass = F.cross_entropy(tiny(torch.tensor([ids]))[0, :-1], torch.tensor(ids[1:]),
+                               reduction="none")
+    for chunk in (7, 64, 199, 200, 512):
+        got = lc.token_losses(tiny, ids, chunk=chunk)
+        assert got.shape == one_pass.shape
+        torch.testing.assert_close(got, one_pass, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_by_position_buckets():
+    losses = torch.tensor([1.0, 1.0, 3.0, 3.0, 5.0]) * math.log(2)  # positions 1..5, bits 1,1,3,3,5
+    rows = lc.loss_by_position(losses, [0, 2, 4, 6])
+    assert [(r["start"], r["end"], r["tokens"]) for r in rows] == [(0, 2, 1), (2, 4, 2), (4, 6, 2)]
+    assert [r["bits_per_token"] for r in rows] == pytest.approx([1.0, 2.0, 4.0])
+    assert lc.doubling_edges(256, 8192) == [0, 256, 512, 1024, 2048, 4096, 8192]
+    assert lc.doubling_edges(256, 1000) == [0, 256, 512, 1000]
+
+
+def test_chunked_prefill_equals_whole(tiny):
+    ids = ids_of(150, seed=1)
+    whole = lc.prefill(tiny, ids)
+    reference = tiny(torch.tensor([ids]))[0, -1]
+    torch.testing.assert_close(whole, reference, atol=1e-5, rtol=1e-5)
+    for chunk in (16, 100, 150):
+        torch.testing.assert_close(lc.prefill(tiny, ids, chunk), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_measure_prefill_reports_memory_and_times(tiny):
+    out = lc.measure_prefill(tiny, ids_of(100), chunk=32, repeats=3)
+    assert out["tokens"] == 100 and out["chunk"] == 32 and len(out["seconds"]) == 3
+    assert out["peak_bytes"] >= 0 and min(out["seconds"]) > 0
+
+
+def test_kv_cache_bytes_match_the_caches(tiny):
+    assert lc.kv_cache_bytes(tiny.config, 100) == tiny.new_cache(1, 100).keys.nbytes * 2
+    gemma_like = SimpleNamespace(layer_windows=(8, None, 8), num_layers=3, num_kv_heads=1,
+                                 head_dim=4, attention_scale=0.5)
+    for n in (5, 8, 30):
+        assert lc.kv_cache_bytes(gemma_like, n) == RollingKVCache(gemma_like, 1, n).nbytes()
+    assert lc.score_matrix_bytes(tiny.config, 10) == tiny.config.num_heads * 100 * 4
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_needle_prompt_places_needle_and_keeps_length(depth):
+    prefix, needle, suffix = [-1, -2], [-7, -8, -9], [-3]
+    hay = list(range(100))
+    ids, at = lc.needle_prompt(prefix, hay, needle, suffix, 50, depth)
+    room = 50 - 2 - 3 - 1
+    assert len(ids) == 50
+    assert ids[at:at + 3] == needle and at == 2 + round(depth * room)
+    assert ids[:2] == prefix and ids[-1:] == suffix
+    assert [t for t in ids if t >= 0] == hay[:room]  # the haystack, in order, unbroken
+    with pytest.raises(ValueError):
+        lc.needle_prompt(prefix, hay[:10], needle, suffix, 50, depth)
+
+
+def test_greedy_answer_equals_uncached_greedy(tiny):
+    ids = ids_of(40, seed=2)
+    seq = list(ids)
+    for _ in range(6):  # no cache: the whole sequence again for every token
+        seq.append(int(tiny(torch.tensor([seq]))[0, -1].argmax()))
+    assert lc.greedy_answer(tiny, ids, 6, chunk=16) == seq[40:]
+    assert lc.greedy_answer(tiny, ids, 6, chunk=None) == greedy_reference(tiny, ids, 6)
+
+
+def test_found_needs_the_whole_number():
+    assert lc.found("4826", "The secret code is 4826.")
+    assert not lc.found("4826", "48265") and not lc.found("4826", "4 8 2 6")
+
+
+def test_admission_admits_the_context_and_refuses_one_more(tiny):
+    from labkit.engine.llm_engine import EngineConfig, LLMEngine
+    from labkit.sampling import SamplingParams
+
+    n = tiny.max_positions
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_tokens=n, block_size=16, fast_kernels=False))
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    row = lc.admission(engine, ids_of(n - 1), ids_of(n), one)
+    assert row == {"fits": n - 1, "admitted": True, "over": n,
+                   "code": "context_length_exceeded", "param": "prompt"}
+    assert lc.forward_refusal(tiny, n) is None
+    assert str(n + 1) in lc.forward_refusal(tiny, n + 1)
