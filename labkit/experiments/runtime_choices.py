@@ -150,10 +150,8 @@ class MathAttentionCache(KVCache):
     """The contiguous cache, with attention written out: scores, mask, softmax, weighted sum."""
 
     def attend(self, layer, q, k, v):
-        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
-        self.keys[layer, :batch, :, start:end] = k
-        self.values[layer, :batch, :, start:end] = v
-        keys, values = self.keys[layer, :batch, :, :end], self.values[layer, :batch, :, :end]
+        keys, values = self.store(layer, k, v)
+        start, end = self.length, keys.shape[2]
         scores = q @ keys[:, :, None].transpose(-1, -2) / math.sqrt(q.shape[-1])
         q_pos = torch.arange(start, end)[:, None]
         scores = scores.masked_fill(torch.arange(end)[None, :] > q_pos, float("-inf"))
@@ -165,10 +163,9 @@ class StaticShapeCache(KVCache):
     masked, so every step's attention has the same shape."""
 
     def attend(self, layer, q, k, v):
-        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
-        self.keys[layer, :batch, :, start:end] = k
-        self.values[layer, :batch, :, start:end] = v
-        return _masked_attention(q, self.keys[layer, :batch], self.values[layer, :batch], start,
+        self.store(layer, k, v)
+        batch = q.shape[0]
+        return _masked_attention(q, self.keys[layer, :batch], self.values[layer, :batch], self.length,
                                  torch.ones(batch, self.max_len, dtype=torch.bool))
 
 
@@ -179,12 +176,9 @@ class PaddedBatchCache(KVCache):
     pads: torch.Tensor
 
     def attend(self, layer, q, k, v):
-        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
-        self.keys[layer, :batch, :, start:end] = k
-        self.values[layer, :batch, :, start:end] = v
-        valid = torch.arange(end)[None, :] >= self.pads[:, None]
-        return _masked_attention(q, self.keys[layer, :batch, :, :end],
-                                 self.values[layer, :batch, :, :end], start, valid)
+        keys, values = self.store(layer, k, v)
+        valid = torch.arange(keys.shape[2])[None, :] >= self.pads[:, None]
+        return _masked_attention(q, keys, values, self.length, valid)
 
 
 def _masked_attention(q, k, v, q_start: int, valid: torch.Tensor) -> torch.Tensor:

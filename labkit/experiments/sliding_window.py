@@ -82,11 +82,8 @@ class SinkWindowCache(KVCache):
         return cls(plain.keys, plain.values, window=window, sinks=sinks, scale=scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
-        self.keys[layer, :batch, :, start:end] = k
-        self.values[layer, :batch, :, start:end] = v
-        return sink_window_attention(q, self.keys[layer, :batch, :, :end].to(q.dtype),
-                                     self.values[layer, :batch, :, :end].to(q.dtype), start,
+        keys, values = self.store(layer, k, v)
+        return sink_window_attention(q, keys.to(q.dtype), values.to(q.dtype), self.length,
                                      self.window, self.sinks, self.scale)
 
 

@@ -56,14 +56,19 @@ class KVCache:
         check_positions(self.length + steps, limit)
         return torch.arange(self.length, self.length + steps, device=self.keys.device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store the new keys and values of `layer` (in the cache's dtype), then attend over
-        everything cached, read back in q's dtype."""
-        batch, start, end = q.shape[0], self.length, self.length + k.shape[2]
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys and values of `layer` (in the cache's dtype) after the cached
+        ones; return that layer's filled keys and values, new ones included."""
+        batch, start, end = k.shape[0], self.length, self.length + k.shape[2]
         self.keys[layer, :batch, :, start:end] = k
         self.values[layer, :batch, :, start:end] = v
-        return grouped_attention(q, self.keys[layer, :batch, :, :end].to(q.dtype),
-                                 self.values[layer, :batch, :, :end].to(q.dtype), start)
+        return self.keys[layer, :batch, :, :end], self.values[layer, :batch, :, :end]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the new keys and values of `layer`, then attend over everything cached,
+        read back in q's dtype."""
+        keys, values = self.store(layer, k, v)
+        return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), self.length)
 
     def advance(self, steps: int) -> None:
         self.length += steps
