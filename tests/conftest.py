@@ -67,6 +67,61 @@ def tiny_llama():
     return make_tiny_llama()
 
 
+def make_tiny_gemma3(seed: int = 0, layer_windows=(8, 8, None, 8, 8, None), max_len: int = 128):
+    """A randomly initialised Gemma 3 with windowed and global layers (no tokenizer)."""
+    from labkit.models.gemma3 import Gemma3, Gemma3Config
+
+    c = Gemma3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=len(layer_windows),
+                     num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=max_len,
+                     layer_windows=layer_windows, local_rope_theta=10.0, global_rope_theta=100.0,
+                     query_pre_attn_scalar=8.0)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.3):
+        return torch.randn(*shape, generator=gen) * scale
+
+    state = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size, scale=1.0),
+             "model.norm.weight": rand(c.hidden_size, scale=0.1)}
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        state.update({p + "self_attn.q_proj.weight": rand(q, c.hidden_size),
+                      p + "self_attn.k_proj.weight": rand(kv, c.hidden_size),
+                      p + "self_attn.v_proj.weight": rand(kv, c.hidden_size),
+                      p + "self_attn.o_proj.weight": rand(c.hidden_size, q),
+                      p + "self_attn.q_norm.weight": rand(c.head_dim, scale=0.1),
+                      p + "self_attn.k_norm.weight": rand(c.head_dim, scale=0.1),
+                      p + "mlp.gate_proj.weight": rand(c.intermediate_size, c.hidden_size),
+                      p + "mlp.up_proj.weight": rand(c.intermediate_size, c.hidden_size),
+                      p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size)})
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            state[p + norm + ".weight"] = rand(c.hidden_size, scale=0.1)
+    return Gemma3(c, state)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    """Six layers, four with a window of 8 positions and two global."""
+    return make_tiny_gemma3()
+
+
+def masked_greedy(model, prompt, new_tokens):
+    """Greedy tokens and their log-probabilities from a windowed model with the cache that
+    keeps every position and applies each layer's window as a mask (`WindowedKVCache`)."""
+    from labkit.models.window_cache import WindowedKVCache
+
+    cache = WindowedKVCache.empty(model.config, 1, len(prompt) + new_tokens)
+    logits = model(torch.tensor([prompt]), cache=cache, last_only=True)[0, -1]
+    tokens, logprobs = [], []
+    for _ in range(new_tokens):
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        logits = model(torch.tensor([[token]]), cache=cache, last_only=True)[0, -1]
+    return tokens, logprobs
+
+
 def random_qkv(batch, heads, kv_heads, steps, kv_len, dim=16, dtype=torch.float32, seed=0):
     """Seeded attention inputs: q [batch, heads, steps, dim], k and v [batch, kv_heads, kv_len, dim]."""
     g = torch.Generator().manual_seed(seed)

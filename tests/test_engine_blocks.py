@@ -6,6 +6,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from labkit.engine.block_manager import BlockManager, OutOfBlocks, chain_hash
+from labkit.engine.kv_groups import NO_BLOCK
 from labkit.engine.sequence import Sequence
 from labkit.sampling import SamplingParams
 
@@ -146,9 +147,11 @@ def test_check_catches_a_leak_and_a_wrong_count():
 class BlockMachine(RuleBasedStateMachine):
     """Random admit / grow / fork / finish / preempt sequences against the invariants."""
 
+    WINDOWS = (None,)
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(12, block_size=3)
+        self.bm = BlockManager(12 * len(self.WINDOWS), block_size=3, windows=self.WINDOWS)
         self.live: list[Sequence] = []
         self.next_id = 0
 
@@ -168,6 +171,7 @@ class BlockMachine(RuleBasedStateMachine):
     def decode(self, data, token):
         s = data.draw(st.sampled_from(self.live))
         compute(self.bm, s)
+        self.bm.release_passed(s)
         s.token_ids.append(token)
         if self.bm.can_grow(s, s.num_tokens):
             self.bm.grow(s, s.num_tokens)
@@ -195,7 +199,8 @@ class BlockMachine(RuleBasedStateMachine):
     @invariant()
     def accounted(self):
         self.bm.check(self.live)
-        assert self.bm.num_used == len({b for s in self.live for b in s.block_table})
+        held = {b for s in self.live for table in s.block_tables for b in table if b != NO_BLOCK}
+        assert self.bm.num_used == len(held)
 
     def teardown(self):
         for s in self.live:
@@ -205,3 +210,15 @@ class BlockMachine(RuleBasedStateMachine):
 
 TestBlockMachine = BlockMachine.TestCase
 TestBlockMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedBlockMachine(BlockMachine):
+    """The same operations on a manager with a full-attention group and two windowed groups
+    (windows of 4 and 5 positions over blocks of 3): the window's blocks are given back as it
+    passes them, and prefix hits take only what the window still reads."""
+
+    WINDOWS = (None, 4, 5)
+
+
+TestWindowedBlockMachine = WindowedBlockMachine.TestCase
+TestWindowedBlockMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -103,8 +103,12 @@ def test_gemma_and_its_caches_meet_the_engines_contracts(gemma):
 @pytest.mark.slow
 def test_the_paged_engine_runs_gemma_through_its_windows(gemma):
     """LLMEngine on Gemma: a 600-token prompt prefilled in chunks of 256 (past the window)
-    beside a short prompt, then greedy tokens: each request's are those of the rolling cache
-    run alone."""
+    beside a short prompt, then greedy tokens: each request's tokens and log-probabilities
+    are those of the cache that keeps every position and applies the windows as masks, run
+    alone. Meanwhile the local layers' groups hold only their window: with 606 positions
+    cached, the long sequence holds all 38 blocks of the global group but 33 in each local one
+    (blocks 5 to 37: position 606 sees positions 95 on through its window of 512)."""
+    from labkit.engine.kv_groups import NO_BLOCK
     from labkit.engine.llm_engine import EngineConfig, LLMEngine
     from labkit.engine.loop import greedy_continue
     from labkit.engine.scheduler import SchedulerConfig
@@ -112,13 +116,27 @@ def test_the_paged_engine_runs_gemma_through_its_windows(gemma):
 
     torch.manual_seed(1)
     prompts = [torch.randint(10, 200_000, (600,)).tolist(), [2, 818, 5279, 529, 7001, 563]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     engine = LLMEngine(gemma, EngineConfig(kv_cache_tokens=2048, scheduler=SchedulerConfig(max_batched_tokens=256)))
     assert not engine.pool.native  # the C kernel has no window
-    for prompt, out in zip(prompts, engine.generate(prompts, params)):
-        cache = gemma.new_cache(1, len(prompt) + 8)
+    assert engine.groups.num_groups == 6 and engine.groups.windows[0] is None
+    ids = [engine.add_request(p, params) for p in prompts]
+    held = None
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+        long = engine.requests[ids[0]].seqs[0]
+        if long.num_tokens == 607:  # its last token is sampled next
+            held = [sum(b != NO_BLOCK for b in table) for table in long.block_tables]
+    assert held == [38] + [33] * 5
+    for request_id, prompt in zip(ids, prompts):
+        cache = gemma.new_cache(1, len(prompt) + 8, rolling=False)
         logits = gemma(torch.tensor([prompt]), cache=cache, last_only=True)[:, -1]
-        assert out.samples[0].token_ids == greedy_continue(gemma, cache, logits, 8).token_ids
+        want = greedy_continue(gemma, cache, logits, 8, keep_logits=True)
+        sample = engine.release(request_id).samples[0]
+        assert sample.token_ids == want.token_ids
+        want_logprobs = [float(torch.log_softmax(lg, -1)[t]) for lg, t in zip(want.logits, want.token_ids)]
+        torch.testing.assert_close(sample.logprobs, want_logprobs, rtol=0, atol=1e-3)
     assert engine.blocks.num_used == 0
 
 

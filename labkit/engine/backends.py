@@ -43,7 +43,8 @@ class ReferenceBackend:
                  device: torch.device) -> KVPool:
         return KVPool(shape, num_blocks, block_size, dtype, native_attention=self.native_attention, device=device)
 
-    def batch(self, pool: KVPool, tables: list[list[int]], starts: list[int], counts: list[int]) -> PagedBatch:
+    def batch(self, pool: KVPool, tables: list[list[int]] | list[list[list[int]]], starts: list[int],
+              counts: list[int]) -> PagedBatch:
         return PagedBatch(pool, tables, starts, counts)
 
 

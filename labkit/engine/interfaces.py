@@ -109,8 +109,9 @@ class Backend(Protocol):
     def new_pool(self, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> KVPoolLike: ...
 
-    def batch(self, pool: KVPoolLike, tables: list[list[int]], starts: list[int],
+    def batch(self, pool: KVPoolLike, tables: list[list[int]] | list[list[list[int]]], starts: list[int],
               counts: list[int]) -> KVCacheView:
         """One step's cache view: sequence i's `counts[i]` new tokens follow its `starts[i]`
-        cached ones, in the blocks `tables[i]` names."""
+        cached ones, in the blocks `tables[i]` names (one table per layer group of the pool,
+        `labkit.engine.kv_groups`; a pool of one group also takes the table alone)."""
         ...

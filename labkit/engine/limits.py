@@ -8,7 +8,9 @@ can do, and names the first thing it cannot:
 
 - ``context_length_exceeded``: prompt + max_tokens is longer than the model's context (its
   RoPE table, or a shorter `EngineConfig.max_model_len`);
-- ``kv_budget_exceeded``: one sample's tokens need more KV blocks than the whole pool has;
+- ``kv_budget_exceeded``: one sample's tokens need more KV blocks at once than the whole pool
+  has (for a model with windowed layers, `kv_groups.peak_blocks`: those layers hold only
+  their window and a step's new tokens);
 - ``too_many_samples``: n samples are more than the engine runs at once (they decode
   together, forked from one prefill);
 - ``unknown_token``: a stop token id that this model's vocabulary does not have (it could
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+
+from labkit.engine.kv_groups import peak_blocks
 
 REFUSAL_CODES = ("context_length_exceeded", "kv_budget_exceeded", "too_many_samples", "unknown_token")
 
@@ -44,6 +48,8 @@ class EngineLimits:
     num_blocks: int      # the KV pool
     vocab_size: int
     max_num_seqs: int = sys.maxsize  # sequences the engine runs at once
+    windows: tuple[int | None, ...] = (None,)  # per layer group of the pool (kv_groups)
+    step_tokens: int | None = None   # most tokens of a sequence one step writes; None: all of them
 
     def refusal(self, prompt_tokens: int, max_tokens: int, *, n: int = 1,
                 stop_token_ids: tuple[int, ...] = ()) -> Refused | None:
@@ -54,11 +60,12 @@ class EngineLimits:
             return Refused("context_length_exceeded",
                            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                            f"exceeds the model's context of {self.max_model_len} tokens", param)
-        blocks = -(-total // self.block_size)
+        step = total if self.step_tokens is None else min(total, self.step_tokens)
+        blocks = peak_blocks(self.windows, total, step, self.block_size)
         if blocks > self.num_blocks:
             return Refused("kv_budget_exceeded",
-                           f"{total} tokens need {blocks} KV blocks of {self.block_size} tokens, more "
-                           f"than the pool's {self.num_blocks}", "max_tokens")
+                           f"{total} tokens need {blocks} KV blocks of {self.block_size} tokens at once, "
+                           f"more than the pool's {self.num_blocks}", "max_tokens")
         if n > self.max_num_seqs:
             return Refused("too_many_samples",
                            f"n = {n} samples are more than the {self.max_num_seqs} sequences this "

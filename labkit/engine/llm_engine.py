@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence as Seq
 from labkit.engine.backends import WEIGHTS, kv_dtype_for, prepare_weights
 from labkit.engine.block_manager import BlockManager
 from labkit.engine.interfaces import Backend, ServedModel
+from labkit.engine.kv_groups import layer_groups
 from labkit.engine.limits import EngineLimits
 from labkit.engine.output import OutputProcessor, encode_prompt
 from labkit.engine.runner import ModelRunner, SampledToken
@@ -34,7 +35,7 @@ from labkit.sampling import SamplingParams
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    kv_cache_tokens: int = 32_768      # size of the KV pool, in token slots
+    kv_cache_tokens: int = 32_768      # size of the KV pool, in token slots of every layer
     max_model_len: int | None = None   # prompt + output limit; None: the model's RoPE table
     prefix_caching: bool = True
     fast_kernels: bool = True          # oneDNN-packed weights, labkit's C kernels (where they
@@ -50,6 +51,9 @@ class EngineConfig:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of every layer the pool holds. A model with windowed layers splits them into
+        layer groups (`labkit.engine.kv_groups`), and the pool into as many times more
+        blocks of one group each: the same bytes."""
         return self.kv_cache_tokens // self.block_size
 
 
@@ -153,10 +157,13 @@ class LLMEngine:
             self.backend, self.model = prepared.backend, prepared.model
             self.weights, self.weights_fallback = prepared.weights, prepared.fallback
         self.max_model_len = min(c.max_model_len or model.max_positions, model.max_positions)
-        self.blocks = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
-        self.limits = EngineLimits(self.max_model_len, c.block_size, c.num_blocks, model.config.vocab_size,
-                                   c.scheduler.max_num_seqs)
-        self.pool = self.backend.new_pool(model.config, c.num_blocks, c.block_size, kv_dtype, model.device)
+        self.groups = layer_groups(model.config.num_layers, getattr(model.config, "layer_windows", None))
+        num_blocks = c.num_blocks * self.groups.num_groups
+        self.blocks = BlockManager(num_blocks, c.block_size, c.prefix_caching, self.groups.windows)
+        step_tokens = c.scheduler.max_batched_tokens if c.scheduler.chunked_prefill else None
+        self.limits = EngineLimits(self.max_model_len, c.block_size, num_blocks, model.config.vocab_size,
+                                   c.scheduler.max_num_seqs, self.groups.windows, step_tokens)
+        self.pool = self.backend.new_pool(model.config, num_blocks, c.block_size, kv_dtype, model.device)
         self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
         self.runner = ModelRunner(self.model, self.pool, self.backend)
@@ -264,6 +271,7 @@ class LLMEngine:
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_full_blocks(item.seq)
+            self.blocks.release_passed(item.seq)  # a windowed layer group's blocks behind its window
         self.steps += 1
         self.tokens_computed += plan.num_tokens
         for owner, seq in samples:
@@ -361,5 +369,5 @@ class LLMEngine:
         """Raise AssertionError if any KV block is leaked or mis-counted."""
         live = [s for r in self.requests.values() for s in r.seqs if not s.status.done]
         self.blocks.check(live)
-        if sum(len(s.block_table) for s in self.scheduler.waiting):
+        if any(s.holds_blocks for s in self.scheduler.waiting):
             raise AssertionError("a waiting sequence holds blocks")

@@ -8,6 +8,12 @@ one head is two contiguous runs of memory, and an attention kernel can score a q
 against all the block's keys with plain vector arithmetic (one multiply-add per key
 dimension covers every slot at once) instead of one dot product per slot.
 
+A model whose layers attend through windows (Gemma 3) has its layers split into groups
+(`labkit.engine.kv_groups`): a block then holds one group's layers, the pool is
+[layers per group, blocks, ...], and each sequence has one block table per group. A windowed
+group's table reads only the blocks its window still covers: the blocks before them were
+given back to the pool (a ring made of blocks), and attention gathers what is left.
+
 `PagedBatch` is one engine step's view of that memory. The step packs the new tokens of
 every scheduled sequence into one row ([1, total_tokens]), so the matrix products run
 once for all of them; `Llama.forward` then asks the batch, layer by layer, to `attend`:
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.engine.interfaces import ModelShape
+from labkit.engine.kv_groups import layer_groups
 from labkit.kernels import native
 from labkit.models.llama import check_positions, grouped_attention
 from labkit.models.window_cache import windowed_attention
@@ -39,12 +46,15 @@ class KVPool:
                  device: torch.device | str = "cpu"):
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.device = torch.device(device)
-        layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
+        # A model with sliding-window layers (Gemma 3) names each layer's window; a block
+        # holds the layers of one group (all layers where no layer has a window).
+        self.windows = getattr(config, "layer_windows", None)
+        self.groups = layer_groups(config.num_layers, self.windows)
+        self.layer_slots = [self.groups.locate(layer) for layer in range(config.num_layers)]
+        layers, heads, dim = self.groups.layers_per_group, config.num_kv_heads, config.head_dim
         self.keys = torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=self.device)
         self.values = torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=self.device)
-        # A model with sliding-window layers (Gemma 3) names each layer's window; the C kernel
-        # has none, so such a model attends by gather + SDPA with the window as a mask.
-        self.windows = getattr(config, "layer_windows", None)
+        # The C kernel has no window: a windowed model attends by gather + SDPA.
         windowed = self.windows is not None and any(w is not None for w in self.windows)
         # Attention by labkit's C kernel where it builds (float32 or bfloat16 entries on the
         # CPU), else gather + SDPA.
@@ -57,7 +67,8 @@ class KVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.keys[:, 0, :, :, 0].nbytes
+        """Bytes one position of every layer takes (in every group's block)."""
+        return 2 * self.keys[:, 0, :, :, 0].nbytes * self.groups.num_groups
 
     @property
     def nbytes(self) -> int:
@@ -71,15 +82,18 @@ class KVPool:
 
     def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys and values k, v [N, kv_heads, D] at (blocks[i], slots[i]), rounded
-        to the pool's dtype."""
-        self.keys[layer][blocks, :, :, slots] = k.to(self.keys.dtype)
-        self.values[layer][blocks, :, slots, :] = v.to(self.values.dtype)
+        """Store layer `layer`'s new keys and values k, v [N, kv_heads, D] at (blocks[i],
+        slots[i]) of its group's blocks, rounded to the pool's dtype."""
+        slot = self.layer_slots[layer][1]
+        self.keys[slot][blocks, :, :, slots] = k.to(self.keys.dtype)
+        self.values[slot][blocks, :, slots, :] = v.to(self.values.dtype)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of these blocks, in order: each [..., kv_heads, len * block_size, D]."""
-        k = self.keys[layer][blocks]  # [..., n, heads, D, bs]
-        v = self.values[layer][blocks]  # [..., n, heads, bs, D]
+        """Layer `layer`'s keys and values in these blocks of its group, in order: each
+        [..., kv_heads, len * block_size, D]."""
+        slot = self.layer_slots[layer][1]
+        k = self.keys[slot][blocks]  # [..., n, heads, D, bs]
+        v = self.values[slot][blocks]  # [..., n, heads, bs, D]
         k = k.transpose(-1, -2).transpose(-3, -4).flatten(-3, -2)
         v = v.transpose(-3, -4).flatten(-3, -2)
         return k, v
@@ -90,31 +104,54 @@ class Segment:
     """One sequence's share of a packed step."""
     rows: slice           # its new tokens' rows in the packed batch
     start: int            # position of its first new token (= tokens already cached)
-    blocks: torch.Tensor  # the blocks holding positions 0 .. start + new tokens - 1
+    blocks: torch.Tensor  # the blocks holding positions 0 .. start + new tokens - 1 (first group)
     length: int           # start + new tokens: the context it attends over
+    # per layer group: (first block read, the blocks from it on); a windowed group's first
+    # block is the first one its window covers
+    groups: list[tuple[int, torch.Tensor]]
+
+
+def _per_group(table: list[int] | list[list[int]], groups: int) -> list[list[int]]:
+    """A sequence's tables as one list per group (a pool of one group takes a plain table)."""
+    per_group = table if table and isinstance(table[0], list) else [table]
+    if len(per_group) != groups:
+        raise ValueError(f"{len(per_group)} block tables for a pool of {groups} layer groups")
+    return per_group
 
 
 class PagedBatch:
     """What `Llama.forward` needs from a cache (a `KVCacheView`), for a packed batch of
     sequences. Its index tensors live on the pool's device."""
 
-    def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], counts: list[int]):
+    def __init__(self, pool: KVPool, tables: list[list[int]] | list[list[list[int]]], starts: list[int],
+                 counts: list[int]):
+        """tables[i]: sequence i's block table, or one table per layer group where the pool
+        has several."""
         self.pool = pool
-        bs, device = pool.block_size, pool.device
-        positions, new_blocks, new_slots, segments = [], [], [], []
+        bs, device, groups = pool.block_size, pool.device, pool.groups
+        positions, new_slots, segments = [], [], []
+        new_blocks: list[list[torch.Tensor]] = [[] for _ in range(groups.num_groups)]
         row, self.end = 0, 0
         for table, start, count in zip(tables, starts, counts):
             length = start + count
             self.end = max(self.end, length)
-            blocks = torch.tensor(table[:-(-length // bs)], dtype=torch.long, device=device)
             new = torch.arange(start, length, device=device)
+            live = []
+            for group, group_table in enumerate(_per_group(table, groups.num_groups)):
+                first = groups.first_block(group, start, bs)
+                ids = group_table[first:-(-length // bs)]
+                if min(ids, default=0) < 0:
+                    raise ValueError(f"a block table of layer group {group} lacks a block its window reads")
+                blocks = torch.tensor(ids, dtype=torch.long, device=device)
+                new_blocks[group].append(blocks[new // bs - first])  # (block, slot) of each new token
+                live.append((first, blocks))
             positions.append(new)
-            new_blocks.append(blocks[new // bs])  # (block, slot) of each new token
             new_slots.append(new % bs)
-            segments.append(Segment(slice(row, row + count), start, blocks, length))
+            segments.append(Segment(slice(row, row + count), start, live[0][1], length, live))
             row += count
         self._positions = torch.cat(positions)
-        self.new_blocks, self.new_slots = torch.cat(new_blocks), torch.cat(new_slots)
+        self.group_new_blocks = [torch.cat(blocks) for blocks in new_blocks]
+        self.new_blocks, self.new_slots = self.group_new_blocks[0], torch.cat(new_slots)
         self.num_tokens = row
         self.native = pool.native
         self.segments = segments
@@ -147,7 +184,9 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, kv_heads, group, N, D]; k, v: [1, kv_heads, N, D] for the N packed tokens
-        self.pool.write(layer, self.new_blocks, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        group = self.pool.layer_slots[layer][0]
+        self.pool.write(layer, self.group_new_blocks[group], self.new_slots, k[0].transpose(0, 1),
+                        v[0].transpose(0, 1))
         if self.pool.windows is not None:
             return self._windowed(layer, q)
         if self.native:  # the kernel takes float32 queries whatever the model's dtype
@@ -172,15 +211,19 @@ class PagedBatch:
 
     def _windowed(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """A model whose layers have windows and their own scale (Gemma 3): each sequence's
-        queries over its gathered blocks, the window applied as a mask. Its blocks all stay
-        allocated (global layers share them); the memory a window saves is
-        `labkit.models.window_cache.RollingKVCache`'s."""
+        queries over the blocks its layer group still holds, from the first one the window
+        covers (positions counted from that block's first), the window applied as a mask
+        within them."""
         out = torch.empty_like(q)
         window, scale = self.pool.windows[layer], self.pool.config.attention_scale
+        group = self.pool.layer_slots[layer][0]
         for s in self.segments:
-            kk, vv = self._gather(layer, s.blocks, q.dtype)  # [kv_heads, S', D]
-            out[:, :, :, s.rows] = windowed_attention(q[:, :, :, s.rows], kk[None, :, :s.length],
-                                                      vv[None, :, :s.length], s.start, window, scale)
+            first, blocks = s.groups[group]
+            offset = first * self.pool.block_size
+            kk, vv = self._gather(layer, blocks, q.dtype)  # [kv_heads, S', D]
+            out[:, :, :, s.rows] = windowed_attention(q[:, :, :, s.rows], kk[None, :, :s.length - offset],
+                                                      vv[None, :, :s.length - offset], s.start - offset,
+                                                      window, scale)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
-            tables.append(seq.block_table)
+            tables.append(seq.block_tables)
             starts.append(start)
             counts.append(n)
             row += n

@@ -103,7 +103,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.holds_blocks:
             self.blocks.register_full_blocks(seq)
             self.blocks.free(seq)
         self._move(seq, status)

@@ -42,7 +42,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0        # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0   # of those, how many a prefix-cache hit supplied
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per layer group
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full computed blocks
     first_scheduled_time: float | None = None  # first moved to RUNNING
     first_token_time: float | None = None
@@ -64,6 +64,15 @@ class Sequence:
                 self.logprobs = []
             if self.top_logprobs is None:
                 self.top_logprobs = []
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table: the only one of a model without windows."""
+        return self.block_tables[0]
+
+    @property
+    def holds_blocks(self) -> bool:
+        return any(self.block_tables)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

@@ -15,8 +15,10 @@ What differs from the Llama of `labkit.models.llama`:
   happens to equal 1 / sqrt(head_dim)); the MLP is GeGLU, gelu(gate, tanh approx.) * up;
 - five layers in six are local: they attend only to the last `sliding_window` positions
   (512), with RoPE base 10,000; every sixth (5, 11, 17) is global: every earlier position,
-  base 1,000,000. The window is a mask over a cache that keeps every position
-  (`Gemma3KVCache`): the reference semantics, not the economical ring buffer;
+  base 1,000,000. `new_cache` keeps a ring of 512 slots per local layer
+  (`RollingKVCache`), or, with rolling=False, every position with the window as a mask
+  (`WindowedKVCache`, the reference semantics); the serving engine gives a local layer
+  group's blocks back as the window passes them (`labkit.engine.kv_groups`);
 - one KV head serves all four query heads, and head_dim (256) exceeds hidden / heads (160).
 
 The GGUF stores neither the layer pattern, the local RoPE base nor the attention scalar:
