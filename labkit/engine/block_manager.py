@@ -229,11 +229,13 @@ class BlockManager:
         blocks were given back."""
         released = 0
         for group, table in enumerate(self._tables(seq)):
-            for i in range(min(self._first_block(group, seq.num_computed_tokens), len(table))):
-                if table[i] != NO_BLOCK:
-                    self._release(table[i])
-                    table[i] = NO_BLOCK
-                    released += 1
+            passed = start = min(self._first_block(group, seq.num_computed_tokens), len(table))
+            while start > 0 and table[start - 1] != NO_BLOCK:  # given back so far: a prefix
+                start -= 1
+            for i in range(start, passed):  # oldest first: evicted first if cached
+                self._release(table[i])
+                table[i] = NO_BLOCK
+                released += 1
         return released
 
     def register_full_blocks(self, seq: Sequence) -> None:
