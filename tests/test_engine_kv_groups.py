@@ -133,3 +133,38 @@ def test_the_engine_on_windowed_layers_gives_the_masked_caches_tokens(tiny_gemma
     assert stats.blocks_used == 0 and stats.prefix_hits > 0
     if kv_cache_tokens == 48:
         assert stats.preemptions > 0
+
+
+def test_aborts_on_windowed_layers_give_every_block_back(tiny_gemma3):
+    """Requests aborted while waiting, halfway through a chunked prefill past the window, and
+    while decoding with n = 2: every step's accounting holds, the request left alone still
+    gives the masked cache's tokens, and the pool ends empty."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    config = EngineConfig(block_size=4, kv_cache_tokens=512, fast_kernels=False,
+                          scheduler=SchedulerConfig(max_batched_tokens=8, max_num_seqs=3))
+    engine = LLMEngine(tiny_gemma3, config)
+    long_prompt = [(3 * i) % 60 + 2 for i in range(40)]
+    kept = engine.add_request(PROMPTS[1], params)
+    decoding = engine.add_request(PROMPTS[0], params, n=2)
+    prefilling = engine.add_request(long_prompt, params)
+    waiting = engine.add_request(long_prompt[:12], params)  # a fourth sequence past max_num_seqs
+    aborted = set()
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+        prefill_seq = engine.requests[prefilling].seqs[0]
+        if prefilling not in aborted and prefill_seq.num_computed_tokens >= 24:  # past the window of 8
+            assert prefill_seq.num_computed_tokens < len(long_prompt)
+            assert prefill_seq.block_tables[1][0] == NO_BLOCK  # a passed block was given back
+            for request_id in (prefilling, waiting):
+                assert engine.abort(request_id)
+                aborted.add(request_id)
+        if decoding not in aborted and len(engine.requests[decoding].seqs) == 2 and \
+                len(engine.requests[decoding].seqs[1].output_token_ids) >= 12:
+            assert engine.abort(decoding)
+            aborted.add(decoding)
+        engine.check_invariants()
+    assert aborted == {prefilling, waiting, decoding}
+    assert engine.requests[waiting].seqs[0].num_computed_tokens == 0  # aborted before it ran
+    assert engine.release(kept).samples[0].token_ids == masked_greedy(tiny_gemma3, PROMPTS[1], 30)[0]
+    assert engine.stats().blocks_used == 0
