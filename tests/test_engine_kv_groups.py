@@ -45,8 +45,7 @@ def run(bm, s, step):
     register the full blocks and give back what the window has passed."""
     bm.grow(s, s.num_computed_tokens + step)
     s.num_computed_tokens += step
-    bm.register_full_blocks(s)
-    bm.release_passed(s)
+    bm.computed(s)
 
 
 @pytest.mark.parametrize("step", [1, 6])
@@ -64,15 +63,14 @@ def test_a_windowed_group_holds_its_window_however_long_the_sequence(step):
         bm.grow(s, s.num_computed_tokens + n)
         peak = max(peak, bm.num_used)
         s.num_computed_tokens += n
-        bm.register_full_blocks(s)
-        bm.release_passed(s)
+        bm.computed(s)
         full, windowed = s.block_tables
         first = first_block(8, s.num_computed_tokens, bs)
         assert NO_BLOCK not in full and len(full) == -(-s.num_computed_tokens // bs)
         assert windowed[:first] == [NO_BLOCK] * first and NO_BLOCK not in windowed[first:]
         bm.check([s])
     assert peak == peak_blocks(windows, 61, step, bs) if step == 1 else peak <= peak_blocks(windows, 61, step, bs)
-    assert len([b for b in s.block_tables[1] if b != NO_BLOCK]) == 3  # blocks 13-15: what position 61 sees
+    assert s.blocks_held[1] == 3  # blocks 13-15: what position 61 sees
     bm.free(s)
     assert bm.num_free == 64
     bm.check([])
@@ -122,7 +120,7 @@ def test_the_engine_on_windowed_layers_gives_the_masked_caches_tokens(tiny_gemma
         engine.step()
         engine.check_invariants()
         for s in engine.scheduler.running:
-            most_windowed = max(most_windowed, *(sum(b != NO_BLOCK for b in t) for t in s.block_tables[1:]))
+            most_windowed = max(most_windowed, *s.blocks_held[1:])
     assert most_windowed <= -(-(8 + chunk - 1) // 4) + 1
     for request_id, prompt in zip(ids, PROMPTS + [PROMPTS[2]]):
         want_tokens, want_logprobs = masked_greedy(tiny_gemma3, prompt, 24)

@@ -108,7 +108,6 @@ def test_the_paged_engine_runs_gemma_through_its_windows(gemma):
     alone. Meanwhile the local layers' groups hold only their window: with 606 positions
     cached, the long sequence holds all 38 blocks of the global group but 33 in each local one
     (blocks 5 to 37: position 606 sees positions 95 on through its window of 512)."""
-    from labkit.engine.kv_groups import NO_BLOCK
     from labkit.engine.llm_engine import EngineConfig, LLMEngine
     from labkit.engine.loop import greedy_continue
     from labkit.engine.scheduler import SchedulerConfig
@@ -127,7 +126,7 @@ def test_the_paged_engine_runs_gemma_through_its_windows(gemma):
         engine.check_invariants()
         long = engine.requests[ids[0]].seqs[0]
         if long.num_tokens == 607:  # its last token is sampled next
-            held = [sum(b != NO_BLOCK for b in table) for table in long.block_tables]
+            held = long.blocks_held
     assert held == [38] + [33] * 5
     for request_id, prompt in zip(ids, prompts):
         cache = gemma.new_cache(1, len(prompt) + 8, rolling=False)

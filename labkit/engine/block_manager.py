@@ -13,7 +13,7 @@ are reused in least-recently-released order only when the free list is empty.
 
 Layer groups (`labkit.engine.kv_groups`): a model whose layers attend through different
 windows (Gemma 3) gets one block table per group of layers, all drawing on this one pool. A
-windowed group's blocks are given back as the window passes them (`release_passed`), and a
+windowed group's blocks are given back as the window passes them (`computed`), and a
 prefix hit needs, in such a group, only the blocks the first uncached position still sees.
 The prefix index is keyed by (group, hash).
 
@@ -221,6 +221,13 @@ class BlockManager:
             for _ in range(want - len(table)):
                 table.append(self._take())
         return copies
+
+    def computed(self, seq: Sequence) -> None:
+        """`seq`'s computed tokens have advanced: register its full blocks, then give back
+        the blocks its windows passed (in that order, so a passed full block stays findable
+        by later prompts)."""
+        self.register_full_blocks(seq)
+        self.release_passed(seq)
 
     def release_passed(self, seq: Sequence) -> int:
         """Give back, in every windowed group, the blocks no later query of `seq` reads (those

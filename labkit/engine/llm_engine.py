@@ -270,8 +270,7 @@ class LLMEngine:
                      sampled: list[SampledToken]) -> list[TokenEvent]:
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.register_full_blocks(item.seq)
-            self.blocks.release_passed(item.seq)  # a windowed layer group's blocks behind its window
+            self.blocks.computed(item.seq)  # full blocks findable; windowed groups' passed ones back
         self.steps += 1
         self.tokens_computed += plan.num_tokens
         for owner, seq in samples:

@@ -14,6 +14,7 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
+from labkit.engine.kv_groups import NO_BLOCK
 from labkit.sampling import SamplingParams
 
 
@@ -69,6 +70,11 @@ class Sequence:
     def block_table(self) -> list[int]:
         """The first group's block table: the only one of a model without windows."""
         return self.block_tables[0]
+
+    @property
+    def blocks_held(self) -> list[int]:
+        """Blocks held in each layer group's table (a windowed group's passed ones excluded)."""
+        return [sum(block_id != NO_BLOCK for block_id in table) for table in self.block_tables]
 
     @property
     def holds_blocks(self) -> bool:

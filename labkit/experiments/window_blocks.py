@@ -18,14 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.engine.block_manager import BlockManager
-from labkit.engine.kv_groups import NO_BLOCK
 from labkit.engine.sequence import Sequence
 from labkit.sampling import SamplingParams
-
-
-def held_per_group(seq: Sequence) -> list[int]:
-    """Blocks `seq` holds in each layer group's table."""
-    return [sum(b != NO_BLOCK for b in table) for table in seq.block_tables]
 
 
 def engine_block_trace(engine, prompt_ids: list[int], new_tokens: int):
@@ -40,7 +34,7 @@ def engine_block_trace(engine, prompt_ids: list[int], new_tokens: int):
         engine.step()
         engine.check_invariants()
         if not seq.status.done:
-            rows.append({"positions": seq.num_computed_tokens, "held": held_per_group(seq)})
+            rows.append({"positions": seq.num_computed_tokens, "held": seq.blocks_held})
     return engine.release(request_id), rows
 
 
@@ -66,7 +60,6 @@ def blocks_held(windows: tuple[int | None, ...], tokens: int, step_tokens: int,
         manager.grow(seq, seq.num_computed_tokens + step)
         peak = max(peak, manager.num_used)
         seq.num_computed_tokens += step
-        manager.register_full_blocks(seq)
-        manager.release_passed(seq)
+        manager.computed(seq)
     manager.check([seq])
     return BlocksHeld(tokens, manager.num_used, peak, len(windows) * -(-tokens // block_size))
