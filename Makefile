@@ -16,7 +16,7 @@ LLAMA_TOOLS := $(PEERS_DIR)/llama.cpp-build/bin
 MODEL ?= smollm2-135m
 PROFILE ?= full
 
-.PHONY: env model book reproduce test test-unit test-notebooks peers clean freeze
+.PHONY: env model book reproduce test test-unit test-notebooks test-matrix peers clean freeze
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,34 @@ test-unit: model
 # Every chapter's checked cells, ci profile; the flag keeps live-only widgets out.
 test-notebooks: model
 	LABKIT_HEADLESS=1 $(BIN)/python -m pytest -q --durations=40 --nbval-lax -p no:cacheprovider notebooks
+
+# Other machines, emulated on this one: the unit tests (and the notebooks' ci profile) with
+# the C kernels off, with their portable build (no AVX2), with oneDNN held to a lower ISA, on
+# one thread, and as an AVX2 machine with a 32 MiB cache (ATen, MKL and oneDNN held to AVX2,
+# the C kernels built for Haswell). Run it before resolving an issue that touches kernels
+# or numerics; it takes about two hours on 2 cores, so CI does not. Every row runs; the
+# summary is in _build/test-matrix.txt and the exit code is 1 if any row failed.
+AVX2_MACHINE := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+  LABKIT_NATIVE_ARCH=haswell LABKIT_CACHE_SIZES=L1=32KiB,L2=512KiB,L3=32MiB
+UNIT_ROWS := "LABKIT_NATIVE=0" "LABKIT_NATIVE_ARCH=x86-64" "ONEDNN_MAX_CPU_ISA=AVX2" \
+  "ONEDNN_MAX_CPU_ISA=SSE41" "OMP_NUM_THREADS=1" "OMP_NUM_THREADS=2" "$(AVX2_MACHINE)"
+NOTEBOOK_ROWS := "LABKIT_NATIVE=0" "$(AVX2_MACHINE)"
+test-matrix: model
+	$(BIN)/labkit model fetch gemma3-270m
+	@mkdir -p _build; : > _build/test-matrix.txt; failed=0; \
+	for row in $(UNIT_ROWS); do \
+	  echo "== unit tests with $$row"; start=$$SECONDS; \
+	  if env $$row $(BIN)/python -m pytest -q -p no:cacheprovider tests \
+	       --deselect tests/test_standalone_chapter.py; then status=passed; else status=FAILED; failed=1; fi; \
+	  echo "unit tests, $$row: $$status ($$((SECONDS - start)) s)" >> _build/test-matrix.txt; \
+	done; \
+	for row in $(NOTEBOOK_ROWS); do \
+	  echo "== notebooks (ci profile) with $$row"; start=$$SECONDS; \
+	  if env $$row LABKIT_HEADLESS=1 $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks; \
+	  then status=passed; else status=FAILED; failed=1; fi; \
+	  echo "notebooks, $$row: $$status ($$((SECONDS - start)) s)" >> _build/test-matrix.txt; \
+	done; \
+	cat _build/test-matrix.txt; exit $$failed
 
 # Rewrite the constraints file from the current environment (after a deliberate upgrade).
 freeze: env

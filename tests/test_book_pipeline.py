@@ -99,6 +99,36 @@ def test_results_folders(monkeypatch, tmp_path):
     assert results_root("ci") == tmp_path / "_ci"
 
 
+def test_a_chapter_outside_a_checkout_writes_beside_itself(monkeypatch, tmp_path):
+    """Colab, a downloaded notebook, labkit from a wheel: no _config.yml at or above the
+    notebook and none beside the package. The results go to results/ in its folder."""
+    from labkit.book import results as results_module
+
+    def no_checkout(start=None):
+        raise FileNotFoundError("no _config.yml found")
+
+    monkeypatch.delenv("LABKIT_RESULTS_DIR", raising=False)
+    monkeypatch.setattr(results_module, "find_repo_root", no_checkout)
+    monkeypatch.chdir(tmp_path)
+    assert results_root("ci") == tmp_path / "results" / "_ci"
+    res = Results("ch06", profile="ci")
+    assert res.dir == tmp_path / "results" / "_ci" / "ch06" and res.repo_root is None
+    assert json.loads(res.write().read_text())["chapter"] == "ch06"
+
+
+def test_a_machine_fact_is_glued_as_the_sentence_for_its_outcome(monkeypatch, tmp_path):
+    monkeypatch.setenv("LABKIT_RESULTS_DIR", str(tmp_path))
+    res = Results("ch07", profile="ci")
+    fits = res.fact("head_in_cache", 113e6 < 300 * 2**20, "The head fits in the cache here.",
+                    "The head is larger than every cache here.", note="L3 300 MiB")
+    assert fits == "The head fits in the cache here."
+    assert res.metrics["head_in_cache"] == {"value": True, "text": fits, "kind": "fact", "note": "L3 300 MiB"}
+    import numpy as np
+
+    assert res.fact("head_in_cache", np.bool_(False), "yes", "no") == "no"
+    assert res.metrics["head_in_cache"]["value"] is False
+
+
 def test_results_write_metrics_json(monkeypatch, tmp_path):
     import matplotlib
 
@@ -138,8 +168,9 @@ def test_results_write_metrics_json(monkeypatch, tmp_path):
     assert record["git_revision"] is None or re.fullmatch(r"[0-9a-f]{40}", record["git_revision"])
     assert record["timestamp"].endswith("+00:00")
     env = record["environment"]
-    for key in ("python", "platform", "cpu", "torch", "versions", "git", "model"):
+    for key in ("python", "platform", "cpu", "machine", "torch", "versions", "git", "model", "kernels"):
         assert key in env
+    assert env["kernels"]["aten_cpu_capability"] and "memory_read" in env["machine"]
     assert env["cpu"]["logical_cores"] >= 1
     assert env["torch"]["num_threads"] >= 1
     assert env["versions"]["torch"]
@@ -334,6 +365,11 @@ def test_run_and_build_fixture_book(tmp_path, monkeypatch):
     """End to end: papermill runs the fixture chapter (full profile), the pair stays in
     sync without papermill metadata, and the book builds with -W (zero warnings)."""
     root = make_book_copy(tmp_path)
+    # What `make peers` and the vLLM venv leave in the checkout: Markdown that is not the
+    # book's, with headings Sphinx warns about. The book's sources are its own folders only.
+    for folder in (".peers/llama_cpp_python-0.3.36/vendor", ".venv-vllm/lib/site-packages/pkg", ".venv/share"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "README.md").write_text("# A peer\n\n### Skipped a level\n\nNot a page.\n")
     monkeypatch.delenv("LABKIT_RESULTS_DIR", raising=False)
     runs = runner.execute_chapters("full", root=root, timeout=300, log=None)
     assert [r.ok for r in runs] == [True], runs

@@ -170,9 +170,22 @@ def profile_note(profile: str) -> str:
             "`labkit book run --profile full`) to reproduce the book's sizes.")
 
 
+def machine_note() -> str:
+    """Two sentences naming the machine this run's figures come from (CPU, cores, caches,
+    the ISA extensions that matter, a measured memory read rate) and the kernels that ran
+    on it (`labkit.kernels.dispatch`)."""
+    from labkit.kernels.dispatch import dispatch_line
+    from labkit.util.environment import cpu_info
+    from labkit.util.machine import machine_line, machine_record
+
+    cpu = cpu_info()
+    return machine_line(cpu["model"], cpu["usable_cores"], machine_record()) + " " + dispatch_line()
+
+
 def show_profile_note(profile: str) -> None:
-    """Display :func:`profile_note` as Markdown (in a notebook; printed elsewhere)."""
-    text = profile_note(profile)
+    """Display :func:`profile_note` and :func:`machine_note` as Markdown (in a notebook;
+    printed elsewhere): every chapter says which profile and which machine made its figures."""
+    text = profile_note(profile) + "\n\n" + machine_note()
     try:
         from IPython import get_ipython
         from IPython.display import Markdown, display
@@ -206,5 +219,6 @@ __all__ = [
     "INSTALL_EXTRA",
     "PARAMETERS_SOURCE",
     "profile_note",
+    "machine_note",
     "show_profile_note",
 ]

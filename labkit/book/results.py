@@ -14,7 +14,13 @@ The folder is ``results/chNN/`` for the ``full`` profile and ``results/_ci/chNN/
 ``ci``, so a test run never overwrites the committed results; ``LABKIT_RESULTS_DIR``
 replaces the ``results`` folder (the chapter and profile folders are kept below it). The
 repository root is the nearest folder above the working directory that holds
-``_config.yml`` (so a notebook run from ``notebooks/`` finds it).
+``_config.yml`` (so a notebook run from ``notebooks/`` finds it). A chapter opened alone,
+with no checkout around it (Colab, a downloaded notebook, labkit installed from a wheel),
+writes to ``results/`` in its working folder, beside the notebook.
+
+A fact about the machine (what fits in a cache, which configuration won) is never asserted:
+:meth:`Results.fact` records it and glues the sentence for the outcome this run had, so
+the prose reads true on any machine.
 
 ``metrics.json`` holds: chapter, profile, metrics (value, unit, note, formatted text),
 not_run (name -> reason), workload, figures, tables, environment
@@ -90,7 +96,10 @@ def results_root(profile: str, root: str | os.PathLike | None = None) -> Path:
     if base:
         top = Path(base).expanduser().resolve()
     else:
-        top = find_repo_root(root) / "results"
+        try:
+            top = find_repo_root(root) / "results"
+        except FileNotFoundError:  # a chapter opened alone: results beside the notebook
+            top = Path(root or Path.cwd()).resolve() / "results"
     sub = PROFILES[profile].results_subdir
     return top / sub if sub else top
 
@@ -216,6 +225,25 @@ class Results:
         self._glue(name, text if text is not None else value)
         return value
 
+    def fact(self, name: str, holds: bool, if_true: str, if_false: str, *,
+             note: str | None = None) -> str:
+        """Record a fact about this machine or run (a cache that holds a matrix, a
+        configuration that won, a bound that was met) and glue under ``name`` the sentence
+        written for the outcome it had: ``if_true`` or ``if_false``. Use it wherever the
+        prose would otherwise state one machine's outcome as a law; assert only invariants.
+        Returns the glued sentence."""
+        self._check_name(name)
+        if not isinstance(holds, bool):
+            holds = bool(holds)  # numpy/torch booleans
+        text = if_true if holds else if_false
+        entry: dict[str, Any] = {"value": holds, "text": text, "kind": "fact"}
+        if note is not None:
+            entry["note"] = note
+        self.metrics[name] = entry
+        self.not_run_reasons.pop(name, None)
+        self._glue(name, text)
+        return text
+
     def not_run(self, name: str, reason: str, *, what: str | None = None) -> str:
         """Record that ``name`` could not be measured here, and why; glue
         ``"NOT_RUN (reason)"`` under ``name`` so the prose shows the reason, never a number.
@@ -246,10 +274,12 @@ class Results:
 
     def record(self) -> dict[str, Any]:
         """The dict that :meth:`write` stores as ``metrics.json``."""
+        from labkit.kernels.dispatch import dispatch_report
         from labkit.models.registry import artefact_record
         from labkit.util.environment import capture
 
         environment = capture(artefact_record(self.model) if self.model else None, root=self.repo_root)
+        environment["kernels"] = dispatch_report()
         return {
             "chapter": self.chapter,
             "profile": self.profile,

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from labkit.util.machine import last_level_cache_bytes  # noqa: F401 - the chapter's ac.last_level_cache_bytes()
 from labkit.util.timing import PeakMemory, measure, num_threads, synchronize
 from labkit.kernels.attention import causal_mask, naive_attention, score_tensor_bytes, sdpa_attention
 
@@ -337,23 +338,6 @@ def agreement(shape: AttentionShape, lengths: Iterable[int], dtypes: Sequence[to
 # ------------------------------------------------------------------------------------------
 # Tables and figures for the chapter
 # ------------------------------------------------------------------------------------------
-
-def last_level_cache_bytes() -> int | None:
-    """Size of the CPU's largest cache level (Linux sysfs), or None where it cannot be read."""
-    from pathlib import Path
-
-    best = None
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        digits = text[:-1] if text[-1:] in "KMG" else text
-        if digits.isdigit():
-            best = max(best or 0, int(digits) * unit)
-    return best
-
 
 def records_frame(records: Sequence[dict]):
     """A pandas DataFrame of sweep records with readable columns added: ``length``

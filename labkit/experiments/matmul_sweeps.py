@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.util.compare import MIN_SAMPLES, compare
+from labkit.util.machine import cpu_caches  # noqa: F401 - the chapters' sweeps.cpu_caches()
 from labkit.util.timing import Timing, measure
 
 LAYOUTS = ("in_out", "out_in")
@@ -83,28 +84,6 @@ def _random(shape: Sequence[int], generator: torch.Generator, dtype: torch.dtype
 def _cpu_threads(device: str | torch.device, threads: int | None) -> int | None:
     """The thread count to ask `measure` for: none on a GPU (the host threads do not matter)."""
     return threads if torch.device(device).type == "cpu" else None
-
-
-def cpu_caches(cpu: int = 0, root: str = "/sys/devices/system/cpu") -> dict[str, int]:
-    """Sizes in bytes of the data (or unified) caches that CPU `cpu` uses, read from Linux
-    sysfs: e.g. ``{"L1": 32768, "L2": 1048576, "L3": 33554432}``; ``{}`` where sysfs has no
-    cache information (another OS, some containers)."""
-    from pathlib import Path
-
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    caches: dict[str, int] = {}
-    for index in sorted(Path(root, f"cpu{cpu}", "cache").glob("index*")):
-        try:
-            kind = (index / "type").read_text().strip()
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        if kind == "Instruction" or not size:
-            continue
-        number, unit = (size[:-1], size[-1]) if size[-1] in units else (size, "")
-        caches[f"L{level}"] = int(number) * units.get(unit, 1)
-    return caches
 
 
 # -- GEMM ----------------------------------------------------------------------------------

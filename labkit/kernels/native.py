@@ -66,11 +66,16 @@ import torch
 
 SOURCE_FILES = ("labkit_kernels.c", "gguf_blocks.c", "gguf_layer.c", "bf16.c")  # in csrc/, as package data
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# LABKIT_NATIVE_ARCH replaces "native" in -march: "x86-64" builds the portable C loops a
+# CPU without AVX2 takes (the test matrix runs the whole suite so, `make test-matrix`).
+ARCH_ENV = "LABKIT_NATIVE_ARCH"
+FEATURES = {1: "AVX2+FMA intrinsics", 2: "16-lane (AVX-512) attention vectors", 4: "F16C conversions"}
 MAX_ROWS = 4  # beyond a few rows a blocked GEMM (oneDNN, MKL) reuses weights better
 
 _state: dict = {}
 _SIGNATURES = {
     "labkit_gemv": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
+    "labkit_build_features": [],
     **{name: [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
        for name in ("labkit_paged_attention", "labkit_paged_attention_bf16")},
     **{f"labkit_gemv_{kind}{x}": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
@@ -109,7 +114,25 @@ def compile_library(folder: Path, flags: tuple[str, ...] = FLAGS):
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
+    lib.labkit_build_features.restype = ctypes.c_long
     return lib
+
+
+def default_flags() -> tuple[str, ...]:
+    """FLAGS, with -march from ``$LABKIT_NATIVE_ARCH`` where it is set."""
+    arch = os.environ.get(ARCH_ENV, "").strip()
+    if not arch:
+        return FLAGS
+    if not all(c.isalnum() or c in "-_." for c in arch):
+        raise RuntimeError(f"{ARCH_ENV}={arch!r} is not an -march name")
+    return tuple(f"-march={arch}" if flag.startswith("-march=") else flag for flag in FLAGS)
+
+
+def build_features(lib=None) -> list[str]:
+    """The code paths a build compiled (`FEATURES`); [] for the plain C loops alone."""
+    lib = lib or _require()
+    bits = int(lib.labkit_build_features())
+    return [name for bit, name in FEATURES.items() if bits & bit]
 
 
 def _build(target: Path, sources: dict[str, str], flags: tuple[str, ...]) -> None:
@@ -138,7 +161,8 @@ def load():
         try:
             if os.environ.get("LABKIT_NATIVE", "1") == "0":
                 raise RuntimeError("switched off by LABKIT_NATIVE=0")
-            _state["lib"], _state["why"] = compile_library(cache_root() / "kernels"), None
+            _state["flags"] = default_flags()
+            _state["lib"], _state["why"] = compile_library(cache_root() / "kernels", _state["flags"]), None
         except (OSError, RuntimeError) as error:
             _state["lib"], _state["why"] = None, str(error)
     return _state["lib"]
@@ -147,6 +171,11 @@ def load():
 def why_unavailable() -> str | None:
     load()
     return _state["why"]
+
+
+def build_flags() -> tuple[str, ...] | None:
+    """The compiler flags of the loaded build (None where the kernels are not loaded)."""
+    return _state.get("flags") if load() is not None else None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from labkit.util import machine
 from labkit.util.timing import Timing, measure, num_threads
 
 
@@ -81,42 +82,16 @@ def bound(op: Op, machine: Machine) -> str:
 
 
 def last_level_cache_bytes(default: int = 64 * 2**20) -> int:
-    """Size of this machine's largest CPU cache, in bytes (Linux sysfs, then lscpu).
+    """Size of this machine's largest CPU cache, in bytes (`labkit.util.machine`: Linux
+    sysfs, or ``$LABKIT_CACHE_SIZES``); `default` where none can be read.
 
     An operand smaller than this can stay in the cache between calls, so an op that reuses
-    it is not timed against memory. Returns `default` where neither source answers.
+    it is not timed against memory.
     """
-    import glob
-    import subprocess
-
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            sizes.append(parse_cache_size(Path(path).read_text()))
-        except (OSError, ValueError):
-            pass
-    if not sizes:
-        try:
-            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip().startswith("L") and key.strip().endswith("cache"):
-                try:
-                    sizes.append(parse_cache_size(value.split("(")[0]))
-                except ValueError:
-                    pass
-    return max(sizes) if sizes else default
+    return machine.last_level_cache_bytes(default)
 
 
-def parse_cache_size(text: str) -> int:
-    """'32768K', '32 MiB', '2 MB', '512 KiB' -> bytes (binary units, as Linux reports them)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]?)(?:i?B)?\s*", text.strip(), re.IGNORECASE)
-    if not match:
-        raise ValueError(f"not a cache size: {text!r}")
-    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2).upper()]
-    return int(float(match.group(1)) * scale)
+parse_cache_size = machine.parse_size
 
 
 def _timed(fn: Callable[[], object], name: str, repeats: int, warmup: int, device: str) -> Timing:

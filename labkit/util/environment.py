@@ -1,7 +1,7 @@
 """What a measurement ran on: the record every results file carries.
 
 ``capture()`` returns a plain, JSON-serialisable dict: Python and platform, the CPU model
-and its vector extensions, logical cores and the cores this process may use, memory,
+and its vector extensions, its caches and a measured memory read rate, logical cores and the cores this process may use, memory,
 torch's thread counts and parallel backends (OpenMP, MKL, oneDNN), library versions,
 CUDA, the git revision of the repository (and whether the working tree differs from it),
 and, when given one, the record of the model's weight file (its sha256, where it comes from).
@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from labkit.util.machine import ISA_NAMES, machine_record
+
 LIBRARIES = ("torch", "transformers", "tokenizers", "gguf", "numpy", "safetensors", "labkit")
 
 # Files a run itself rewrites: a change there does not make the code differ from the revision.
 DIRTY_IGNORE = (":(exclude)results", ":(exclude)notebooks/*.ipynb")
 
-_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni",
-              "amx_bf16", "amx_int8", "asimd", "sve")
 
 
 def _version(package: str) -> str | None:
@@ -62,7 +62,7 @@ def cpu_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "logical_cores": os.cpu_count(),
         "usable_cores": usable,
-        "isa": [flag for flag in _ISA_FLAGS if flag in flags],
+        "isa": [flag for flag in ISA_NAMES if flag in flags],
         # Other work on the machine while the record was made: a run taken beside another
         # timing job is not evidence, and this is how a reader can tell.
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -187,10 +187,13 @@ def git_info(start: str | os.PathLike | None = None) -> dict[str, Any]:
     return {"revision": revision, "dirty": dirty, "dirty_files": files[:20]}
 
 
-def capture(model: dict[str, Any] | None = None, *, root: str | os.PathLike | None = None) -> dict[str, Any]:
+def capture(model: dict[str, Any] | None = None, *, root: str | os.PathLike | None = None,
+            measure: bool = True) -> dict[str, Any]:
     """The environment record attached to every result (JSON-serialisable, no personal data).
     `model` is the model's artefact record (`labkit.models.registry.artefact_record`): this
-    module sits below the models and knows nothing of them."""
+    module sits below the models and knows nothing of them. `machine` holds the caches, the
+    ISA flags and (with `measure`, once per process) the measured memory read rate
+    (`labkit.util.machine`)."""
     env: dict[str, Any] = {
         "python": {
             "version": platform.python_version(),
@@ -204,6 +207,7 @@ def capture(model: dict[str, Any] | None = None, *, root: str | os.PathLike | No
             "libc": "-".join(platform.libc_ver()) or None,
         },
         "cpu": cpu_info(),
+        "machine": machine_record(measure),
         "memory": memory_info(),
         "torch": torch_info(),
         "versions": {name: _version(name) for name in LIBRARIES},

@@ -6,6 +6,24 @@
 
 void labkit_bf16_widen(const unsigned short* src, float* dst, long count);  /* bf16.c */
 
+/* Which code paths this build compiled (labkit.kernels.native.build_features): 1 = the
+   AVX2 + FMA intrinsics of bf16.c and gguf_blocks.c, 2 = 16-lane vectors (AVX-512) in the
+   attention kernel (8 lanes otherwise), 4 = F16C half-float conversion. The compiler
+   decides from the -march the library was built with, so this reports what will run. */
+long labkit_build_features(void) {
+  long bits = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  bits |= 1;
+#endif
+#if defined(__AVX512F__)
+  bits |= 2;
+#endif
+#if defined(__F16C__)
+  bits |= 4;
+#endif
+  return bits;
+}
+
 /* Y[m, o] = sum_i W[o, i] * X[m, i]   W: out x n, X: rows x n, Y: rows x out, all row-major */
 void labkit_gemv(const float* W, const float* X, float* Y, long rows, long out, long n) {
   #pragma omp parallel for schedule(static)
