@@ -141,7 +141,10 @@ def _cmd_book(args) -> int:
         return runner.run_chapters(profile=args.profile, chapters=args.chapters or None)
     if args.action == "build":
         return runner.build_book()
-    runner.sync_install_cells()
+    chapters = args.chapters or None
+    runner.sync_install_cells(chapters=chapters)
+    for source in runner.resolve_chapters(chapters):  # every cell of the .md into its .ipynb
+        runner.sync_pair(source)
     runner.write_toc()
     return 0
 

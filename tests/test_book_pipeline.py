@@ -328,6 +328,21 @@ def test_sync_install_cells_and_pair(tmp_path):
     assert runner.pair_in_sync(md)
 
 
+def test_the_sync_command_carries_edited_cells_into_the_notebook(tmp_path, monkeypatch):
+    """`labkit book sync` after editing a chapter's .md: its .ipynb has the edited cells
+    (it used to rewrite only the install cells and leave an edited chapter out of step)."""
+    from labkit.cli import main
+
+    root = make_book_copy(tmp_path)
+    md = root / "notebooks" / FIXTURE_MD.name
+    monkeypatch.chdir(root)
+    assert main(["book", "sync"]) == 0 and runner.pair_in_sync(md)
+    md.write_text(md.read_text().replace("Pipeline fixture", "Pipeline fixture, edited"))
+    assert not runner.pair_in_sync(md)
+    assert main(["book", "sync", "2"]) == 0
+    assert runner.pair_in_sync(md)
+
+
 def test_strip_execution_metadata():
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook

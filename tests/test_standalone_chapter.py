@@ -28,9 +28,13 @@ def run(cmd, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_chapters_run_from_the_installed_wheel_in_an_empty_folder(tmp_path):
+    source = tmp_path / "source"  # built from a copy: setuptools writes build/ beside the sources
+    shutil.copytree(REPO / "labkit", source / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
     wheels = tmp_path / "wheels"
     run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", wheels, REPO])
+         "-w", wheels, source])
     wheel = next(wheels.glob("labkit-*.whl"))
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv])
@@ -53,7 +57,7 @@ def test_chapters_run_from_the_installed_wheel_in_an_empty_folder(tmp_path):
         notebook = reader / f"{name}.ipynb"
         shutil.copy(REPO / "notebooks" / notebook.name, notebook)
         run([python, "-m", "papermill", notebook, reader / f"{name}.out.ipynb", "-p", "profile", "ci",
-             "-k", "python3", "--cwd", reader], cwd=reader, env=env, timeout=900)
+             "-k", "python3", "--cwd", reader], cwd=reader, env=env, timeout=1800)
         record = json.loads((reader / "results" / "_ci" / name[:4] / "metrics.json").read_text())
         assert record["profile"] == "ci" and record["metrics"]
         assert record["git_revision"] is None  # no repository around it: none is claimed
