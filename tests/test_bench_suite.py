@@ -41,10 +41,43 @@ def test_batch_figures_and_records(bench):
     assert [f.target for f in figures] == [">= 5", ">= 1"]  # no reference: no transformers figure
     same = figures[-1]
     assert same.value == same.baseline == 6 and same.passed
+    assert same.details["equal"] + same.details["excused"] == 6
     cont, serial = bench.runs["continuous"], bench.runs["serial"]
     assert cont.output_tokens == serial.output_tokens == 6 * 8
     assert max(serial.running_per_step) == 1 and max(cont.running_per_step) > 1
     assert figures[0].ratio == pytest.approx(cont.tokens_per_s / serial.tokens_per_s)
+
+
+def test_agreement_with_solo_excuses_only_a_near_tie(bench):
+    """A batched request that parts from its solo run is judged by the solo run's own top
+    log-probabilities at the divergence: the runner-up within the tolerance is excused; a
+    token far below it is not, nor is a run short of tokens."""
+    from dataclasses import replace
+
+    from labkit.bench.serving import agreement_with_solo, run_engine
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.sampling import SamplingParams
+
+    work = bench.batch_workload()
+    config = bench.continuous_config(max_num_seqs=1)
+    solo = run_engine(bench.model, work, config, "solo")
+    alone = LLMEngine(bench.model, config).generate(
+        [work.prompts[0]], SamplingParams(temperature=0.0, max_tokens=work.max_tokens[0], ignore_eos=True, logprobs=20))
+    top = alone[0].samples[0].top_logprobs[2]  # step 2's tokens, best first
+    gap_second, gap_last = top[0][1] - top[1][1], top[0][1] - top[-1][1]
+
+    def parted(token, keep=None):
+        first = solo.records[0]
+        ids = first.token_ids[:2] + [token] + first.token_ids[3:]
+        return replace(solo, records=[replace(first, token_ids=ids[:keep])] + solo.records[1:])
+
+    assert agreement_with_solo(bench.model, work, solo, solo, config, 0.0).exact == len(work)
+    near = agreement_with_solo(bench.model, work, parted(top[1][0]), solo, config, gap_second / 2)
+    assert (near.exact, near.excused, near.failed) == (len(work) - 1, 1, 0)
+    assert agreement_with_solo(bench.model, work, parted(top[1][0]), solo, config, gap_second / 2.5).failed == 1
+    assert agreement_with_solo(bench.model, work, parted(top[-1][0]), solo, config, gap_second / 2).failed == 1
+    assert gap_last > gap_second
+    assert agreement_with_solo(bench.model, work, parted(top[0][0], keep=4), solo, config, 10.0).failed == 1
 
 
 def test_ttft_paging_prefix_and_decode(bench):

@@ -16,6 +16,7 @@ import torch
 from labkit.bench.workloads import Workload
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
+from labkit.util.near_tie import AgreementSummary, GreedyAgreement, flip_tolerance, greedy_agreement
 from labkit.util.timing import quantile
 
 
@@ -67,9 +68,9 @@ class RunResult:
                 "records": [{**asdict(r), "ttft_s": r.ttft_s} for r in self.records]}
 
 
-def greedy_params(max_tokens: int) -> SamplingParams:
+def greedy_params(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     # ignore_eos: every system produces exactly the tokens asked for, so throughputs compare
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
 
 
 def run_engine(model, workload: Workload, config: EngineConfig, system: str) -> RunResult:
@@ -100,6 +101,34 @@ def run_engine(model, workload: Workload, config: EngineConfig, system: str) -> 
             None if out.first_token_time is None else out.first_token_time - start,
             out.finish_time - start, out.cached_prompt_tokens, out.preemptions, out.token_ids))
     return RunResult(system, wall, records, running, waiting, asdict(engine.stats()))
+
+
+# Scores of the reference's top tokens a step, for the near-tie rule: a flip to a token below
+# them is excused only if even the last of them is within the tolerance.
+SOLO_TOP_LOGPROBS = 20
+
+
+def agreement_with_solo(model, workload: Workload, batched: RunResult, solo: RunResult,
+                        solo_config: EngineConfig, max_logit_error: float) -> AgreementSummary:
+    """Each request's greedy tokens in a batched run against its run alone, under the near-tie
+    rule (`labkit.util.near_tie`): other batch shapes sum in other orders, so where the solo
+    run's best two tokens are within `flip_tolerance(max_logit_error)` either may win. Only a
+    request whose tokens differ is run alone again (untimed, `solo_config`) with its top
+    log-probabilities, the scores the rule reads at the divergence."""
+    tolerance = flip_tolerance(max_logit_error)
+    agreements: list[GreedyAgreement] = []
+    for i, (got, want) in enumerate(zip(batched.records, solo.records)):
+        if got.token_ids == want.token_ids:
+            n = len(want.token_ids)
+            agreements.append(GreedyAgreement(n, n, None, None, None, None, tolerance, None))
+            continue
+        engine = LLMEngine(model, solo_config)
+        again = engine.generate([workload.prompts[i]], greedy_params(workload.max_tokens[i], SOLO_TOP_LOGPROBS))[0]
+        sample = again.samples[0]
+        if sample.token_ids != want.token_ids:
+            raise RuntimeError(f"request {i} alone gave other tokens on a second run: the solo path is not deterministic")
+        agreements.append(greedy_agreement(want.token_ids, got.token_ids, sample.top_logprobs, tolerance))
+    return AgreementSummary(tuple(agreements))
 
 
 @torch.inference_mode()
