@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import greedy_reference as solo_greedy, make_tiny_llama
+from conftest import assert_solo_greedy, make_tiny_llama, stream_sample
 from labkit.engine.core import EngineCore, StreamEnd
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
@@ -42,7 +42,8 @@ def test_concurrent_streams_each_get_their_own_tokens(tiny):
     got: dict[int, list] = {}
     core.start()
     try:
-        streams = [core.add(p, SamplingParams(temperature=0.0, max_tokens=n)) for p, n in zip(batch, lengths)]
+        streams = [core.add(p, SamplingParams(temperature=0.0, max_tokens=n, logprobs=0))
+                   for p, n in zip(batch, lengths)]
 
         def read(i):
             got[i] = list(streams[i])
@@ -57,9 +58,10 @@ def test_concurrent_streams_each_get_their_own_tokens(tiny):
     for i, (p, n) in enumerate(zip(batch, lengths)):
         events = got[i]
         assert {e.request_id for e in events} == {streams[i].request_id}
-        assert [e.token_id for e in events] == solo_greedy(tiny, p, n)
+        # batched, paged, through the fast kernels: solo greedy up to the near-tie rule
+        assert_solo_greedy(tiny, [p], [stream_sample(events)], n)
         assert events[-1].finished and events[-1].finish_reason == "length"
-        assert streams[i].output.token_ids == solo_greedy(tiny, p, n)
+        assert streams[i].output.token_ids == [e.token_id for e in events]
     assert core.open_requests == 0
     assert_clean(core.engine)
 
@@ -69,9 +71,9 @@ def test_interleaved_engine_streams_lose_nothing(tiny):
     the other's tokens are kept for it."""
     engine = LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_tokens=256))
     a, b = prompts(2, 2)
-    first = engine.stream(a, SamplingParams(temperature=0.0, max_tokens=10))
-    second = engine.stream(b, SamplingParams(temperature=0.0, max_tokens=6))
-    tokens = {0: [], 1: []}
+    first = engine.stream(a, SamplingParams(temperature=0.0, max_tokens=10, logprobs=0))
+    second = engine.stream(b, SamplingParams(temperature=0.0, max_tokens=6, logprobs=0))
+    events = {0: [], 1: []}
     live = {0: first, 1: second}
     while live:
         for key in list(live):
@@ -79,16 +81,15 @@ def test_interleaved_engine_streams_lose_nothing(tiny):
             if event is None:
                 del live[key]
             else:
-                tokens[key].append(event.token_id)
-    assert tokens[0] == solo_greedy(tiny, a, 10)
-    assert tokens[1] == solo_greedy(tiny, b, 6)
+                events[key].append(event)
+    assert_solo_greedy(tiny, [a, b], [stream_sample(events[0]), stream_sample(events[1])], [10, 6])
     assert_clean(engine)
 
 
 def test_close_aborts_and_frees_blocks(tiny):
     core = new_core(tiny)
     keep, drop = prompts(3, 2)
-    kept = core.add(keep, SamplingParams(temperature=0.0, max_tokens=8))
+    kept = core.add(keep, SamplingParams(temperature=0.0, max_tokens=8, logprobs=0))
     dropped = core.add(drop, SamplingParams(temperature=0.0, max_tokens=40), n=2)
     core.run_once()
     core.run_once()
@@ -100,7 +101,7 @@ def test_close_aborts_and_frees_blocks(tiny):
         items.append(dropped.get(timeout=1))
     assert isinstance(items[-1], StreamEnd)
     assert {s.finish_reason for s in dropped.output.samples} == {"abort"}
-    assert [e.token_id for e in kept] == solo_greedy(tiny, keep, 8)
+    assert_solo_greedy(tiny, [keep], [stream_sample(kept)], 8)
     dropped.close()  # closing an ended stream changes nothing
     core.run_until_idle()
     assert_clean(core.engine)

@@ -4,8 +4,7 @@ engine on a model with windows gives the tokens and log-probabilities of the cac
 every position and applies the windows as masks (`WindowedKVCache`)."""
 
 import pytest
-import torch
-from conftest import masked_greedy
+from conftest import TINY_GEMMA_LOGIT_ERROR, assert_greedy_near, chosen_scores, masked_greedy_scores
 
 from labkit.engine.block_manager import BlockManager
 from labkit.engine.kv_groups import NO_BLOCK, first_block, layer_groups, peak_blocks
@@ -123,10 +122,11 @@ def test_the_engine_on_windowed_layers_gives_the_masked_caches_tokens(tiny_gemma
             most_windowed = max(most_windowed, *s.blocks_held[1:])
     assert most_windowed <= -(-(8 + chunk - 1) // 4) + 1
     for request_id, prompt in zip(ids, PROMPTS + [PROMPTS[2]]):
-        want_tokens, want_logprobs = masked_greedy(tiny_gemma3, prompt, 24)
-        for sample in engine.release(request_id).samples:
-            assert sample.token_ids == want_tokens
-            torch.testing.assert_close(sample.logprobs, want_logprobs, rtol=0, atol=1e-5)
+        want_tokens, want_scores = masked_greedy_scores(tiny_gemma3, prompt, 24)
+        samples = engine.release(request_id).samples
+        assert_greedy_near([want_tokens] * len(samples), [s.token_ids for s in samples], [want_scores] * len(samples),
+                           TINY_GEMMA_LOGIT_ERROR, [chosen_scores(s.token_ids, s.logprobs) for s in samples],
+                           what="the paged engine on windowed layers against the masked full cache")
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.prefix_hits > 0
     if kv_cache_tokens == 48:
@@ -137,7 +137,7 @@ def test_aborts_on_windowed_layers_give_every_block_back(tiny_gemma3):
     """Requests aborted while waiting, halfway through a chunked prefill past the window, and
     while decoding with n = 2: every step's accounting holds, the request left alone still
     gives the masked cache's tokens, and the pool ends empty."""
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
     config = EngineConfig(block_size=4, kv_cache_tokens=512, fast_kernels=False,
                           scheduler=SchedulerConfig(max_batched_tokens=8, max_num_seqs=3))
     engine = LLMEngine(tiny_gemma3, config)
@@ -164,5 +164,9 @@ def test_aborts_on_windowed_layers_give_every_block_back(tiny_gemma3):
         engine.check_invariants()
     assert aborted == {prefilling, waiting, decoding}
     assert engine.requests[waiting].seqs[0].num_computed_tokens == 0  # aborted before it ran
-    assert engine.release(kept).samples[0].token_ids == masked_greedy(tiny_gemma3, PROMPTS[1], 30)[0]
+    want_tokens, want_scores = masked_greedy_scores(tiny_gemma3, PROMPTS[1], 30)
+    kept_sample = engine.release(kept).samples[0]
+    assert_greedy_near([want_tokens], [kept_sample.token_ids], [want_scores], TINY_GEMMA_LOGIT_ERROR,
+                       [chosen_scores(kept_sample.token_ids, kept_sample.logprobs)],
+                       what="the request left alone against the masked full cache")
     assert engine.stats().blocks_used == 0

@@ -255,3 +255,28 @@ def test_the_foil_is_lax_and_crashes_where_the_chapter_says(model, reference, fu
     assert rows["not JSON"].category == rows["unknown route"].category == "4xx, another shape"
     assert rows["a correct request"].category == "200, correct"
     assert rows["prompt over the context"].category == "no answer in time" and foil.stops == 1
+
+
+def test_greedy_margins_gives_the_text_and_each_steps_top_two_gap():
+    import torch
+    from types import SimpleNamespace
+
+    class Tokenizer:
+        def encode(self, text):
+            return [7, 8]
+
+        def decode(self, ids):
+            return "|".join(map(str, ids))
+
+    scores = (torch.tensor([[0.0, 5.0, 4.5, 1.0]]), torch.tensor([[3.0, 0.0, 2.999, -1.0]]))
+    seen = {}
+
+    def generate(ids, **kw):
+        seen.update(kw, ids=ids.tolist())
+        sequences = torch.tensor([[7, 8, 1, 0]])
+        return SimpleNamespace(sequences=sequences, scores=scores)
+
+    text, margins = ac.greedy_margins(SimpleNamespace(generate=generate), Tokenizer(), "hi", 2)
+    assert text == "1|0"                       # only the new tokens, decoded
+    assert seen["ids"] == [[7, 8]] and seen["max_new_tokens"] == 2 and not seen["do_sample"]
+    assert margins == pytest.approx([0.5, 0.001], abs=1e-5)   # top minus runner-up, per step

@@ -89,3 +89,29 @@ def test_comm_bench_runs_under_torchrun(tmp_path):
         ("all_reduce", 8), ("all_reduce", 4096), ("ring_hop", 8), ("ring_hop", 4096)]
     assert all(s.procs == 2 and len(s.seconds) == 3 and s.median > 0 for s in samples)
     assert all(math.isfinite(x) for s in samples for x in s.seconds)
+
+
+def _run(tokens, logits):
+    return dx.RunResult("tensor", 2, "gloo", 1, list(tokens), True, logits, 0.0, [], [], 0.0)
+
+
+def test_agreement_excuses_a_near_tie_and_reports_it():
+    # the library's logits: token 1 ahead of token 2 by 1e-4 at step 1 (a near-tie), wide gaps elsewhere
+    ref_logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 3.0001, 3.0], [4.0, 0.0, 0.0]])
+    ref = dx.Reference([1, 1, 0], ref_logits)
+    same = _run([1, 1, 0], ref_logits + 1e-5)
+    flipped = _run([1, 2, 2], ref_logits)        # took the runner-up at the near-tie
+    summary = dx.agreement([same, flipped], ref)
+    assert summary.ok and summary.exact == 1 and summary.excused == 1
+    text = dx.agreement_sentence(summary, 3)
+    assert text.startswith("the split model produced the library model's 3 greedy tokens exactly in 1 of 2 runs")
+    assert "1 parted from them at a near-tie" in text and "was excused" in text
+    assert dx.agreement_sentence(dx.agreement([same], ref), 3).endswith("exactly in the one run")
+
+
+def test_agreement_fails_a_divergence_no_rounding_explains():
+    ref_logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 3.0, 2.0]])
+    ref = dx.Reference([1, 1], ref_logits)
+    summary = dx.agreement([_run([1, 2], ref_logits)], ref)  # a gap of 1 logit
+    assert not summary.ok and summary.failed == 1
+    assert "diverged beyond" in dx.agreement_sentence(summary, 2)

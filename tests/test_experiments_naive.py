@@ -1,8 +1,11 @@
-"""The naive loop, the one-pass check, stop matching and streaming of chapter 5."""
+"""The naive loop, the one-pass check, stop matching and streaming of chapter 5. The naive loop
+(a whole pass a token), the cached loop and one pass over the output are three numerical paths
+of one model: their greedy tokens agree up to the near-tie rule (`conftest.assert_greedy_near`)."""
 
 import pytest
+import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, SMOL_LOGIT_ERROR, assert_argmax_near, assert_greedy_near, greedy_reference_scores
 from labkit.engine.loop import generate
 from labkit.experiments.naive_generation import check_in_one_pass, generate_naive, generation_flops, pass_flops
 from labkit.experiments.naive_text import (
@@ -23,48 +26,65 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def greedy(model):
-    """(prompt_ids, 16 greedy tokens from the cached loop) for PROMPTS[1]."""
+    """(prompt_ids, 16 greedy tokens from the cached loop, the log-probabilities [16, vocab]
+    that chose them) for PROMPTS[1]."""
     prompt_ids = model.tokenizer.encode(PROMPTS[1])
     out = generate(model, prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                      ignore_eos=True))
-    return prompt_ids, out.token_ids
+    tokens, scores = greedy_reference_scores(model, prompt_ids, NEW_TOKENS)
+    assert tokens == out.token_ids  # the cached loop is greedy_reference's path: exact
+    return prompt_ids, tokens, scores
 
 
-def test_naive_loop_equals_cached_loop(model, greedy):
-    prompt_ids, cached = greedy
-    tokens, seconds = generate_naive(model, prompt_ids, NEW_TOKENS)
-    assert tokens == cached
+@pytest.fixture(scope="module")
+def naive(model, greedy):
+    """The naive loop's 16 tokens and step seconds for the same prompt."""
+    return generate_naive(model, greedy[0], NEW_TOKENS)
+
+
+def test_naive_loop_equals_cached_loop(greedy, naive):
+    prompt_ids, cached, scores = greedy
+    tokens, seconds = naive
+    assert_greedy_near([cached], [tokens], [scores], SMOL_LOGIT_ERROR, what="the naive loop against the cached one")
     assert len(seconds) == NEW_TOKENS and all(s > 0 for s in seconds)
 
 
-def test_naive_loop_stops_on_a_stop_token(model, greedy):
-    prompt_ids, cached = greedy
-    stop = cached[3]
-    first = cached.index(stop)
+def test_naive_loop_stops_on_a_stop_token(model, greedy, naive):
+    prompt_ids = greedy[0]
+    free = naive[0]  # the naive loop's own tokens: the stopped run is the same path, so exact
+    stop = free[3]
+    first = free.index(stop)
     tokens, seconds = generate_naive(model, prompt_ids, first + 2, stop_token_ids=[stop])
-    assert tokens == cached[:first]  # the stop token is not returned
+    assert tokens == free[:first]  # the stop token is not returned
     assert len(seconds) == first + 1
     with pytest.raises(ValueError):
         generate_naive(model, [], 4)
 
 
 def test_one_pass_check_agrees_at_every_position(model, greedy):
-    prompt_ids, tokens = greedy
+    prompt_ids, tokens, scores = greedy
     argmax_ids, matches = check_in_one_pass(model, prompt_ids, tokens)
-    assert argmax_ids == tokens
-    assert matches == [True] * NEW_TOKENS
+    assert matches == [a == t for a, t in zip(argmax_ids, tokens)] and len(matches) == NEW_TOKENS
+    # every position reads the cached loop's own tokens before it: compared one by one, each
+    # argmax agrees with the loop's choice up to the near-tie rule
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens]))[0, len(prompt_ids) - 1:-1]
+    assert logits.argmax(-1).tolist() == argmax_ids  # the check's own pass: exact
+    assert_argmax_near(scores, torch.log_softmax(logits.float(), -1), SMOL_LOGIT_ERROR,
+                       what="one pass over the output against the cached loop")
 
 
 def test_one_pass_check_finds_a_changed_token(model, greedy):
-    prompt_ids, tokens = greedy
+    prompt_ids, tokens, _ = greedy
     changed = list(tokens)
     position = 5
     changed[position] = model.tokenizer.encode(" banana")[0]
     assert changed[position] != tokens[position]
     argmax_ids, matches = check_in_one_pass(model, prompt_ids, changed)
-    assert matches[:position] == [True] * position  # the prefix before it is untouched
+    unchanged_ids, unchanged = check_in_one_pass(model, prompt_ids, tokens)  # the same pass: exact
+    assert matches[:position] == unchanged[:position]  # the prefix before it is untouched
     assert not matches[position]
-    assert argmax_ids[position] == tokens[position]  # the model still wants the original token
+    assert argmax_ids[position] == unchanged_ids[position]  # the model still wants what it wanted
     assert check_in_one_pass(model, prompt_ids, []) == ([], [])
 
 

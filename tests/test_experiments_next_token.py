@@ -8,6 +8,11 @@ import torch
 
 from conftest import PROMPTS
 from labkit.experiments.next_token import (
+                                           PORTABLE_MARGIN,
+                                           check_against_reference,
+                                           path_margins,
+                                           portable_prefix,
+                                           reference_greedy,
                                            chi2_sf,
                                            entropy_bits,
                                            final_hidden_state,
@@ -137,7 +142,7 @@ def trace(model):
 def test_greedy_trace_matches_the_engine_loop(model, trace):
     prompt_ids, records = trace
     gen = generate(model, prompt_ids, SamplingParams(temperature=0.0, max_tokens=STEPS))
-    assert [r.token_id for r in records] == gen.token_ids
+    assert [r.token_id for r in records] == gen.token_ids  # the one cached greedy loop both: exact
     assert [r.step for r in records] == list(range(STEPS))
     for r in records:
         assert r.top_ids[0] == r.token_id and len(r.top_ids) == 5
@@ -208,3 +213,79 @@ def test_same_choice_phrase():
     assert same_choice_phrase(5, 5) == "the same token as in float32"
     assert same_choice_phrase(4, 5) == "not the token float32 chose"
     assert same_choice_phrase(4, 5, reference_name="fp16") == "not the token fp16 chose"
+
+
+# ----------------------------------------------------------------------------- tokens on any machine
+
+
+class TableModel:
+    """A 'model' whose logits at the last position are row k of a table, k = tokens after the
+    prompt; every earlier position gets row 0 (enough for greedy loops and path margins)."""
+
+    def __init__(self, table, prompt_len):
+        self.table, self.prompt_len = torch.as_tensor(table, dtype=torch.float32), prompt_len
+
+    def __call__(self, ids):
+        rows = [self.table[max(0, min(i - self.prompt_len + 1, len(self.table) - 1))] for i in range(ids.shape[1])]
+        return torch.stack(rows)[None]
+
+
+# three steps over a vocabulary of four; step 1 is a near-tie (gap 1e-4 between tokens 2 and 1)
+TABLE = [[0.0, 3.0, 1.0, 0.5], [0.0, 2.0, 2.0001, 0.0], [4.0, 0.0, 0.0, 1.0]]
+
+
+def test_portable_prefix_stops_before_the_first_near_tie():
+    assert portable_prefix([0.5, 0.2, 0.3]) == 3
+    assert portable_prefix([0.5, 6.7e-4, 0.3]) == 1          # the chapter's step: inside the margin
+    assert portable_prefix([0.5, 6.7e-4, 0.3], margin=0.0) == 3  # a margin of 0 calls it wide
+    assert portable_prefix([]) == 0 and portable_prefix([1e-3]) == 0  # at the margin counts
+    assert PORTABLE_MARGIN > 0
+    with pytest.raises(ValueError):
+        portable_prefix([1.0], margin=-1.0)
+
+
+def test_path_margins_and_reference_greedy_on_a_table():
+    ref = TableModel(TABLE, prompt_len=2)
+    ids, scores = reference_greedy(ref, [5, 6], 3)
+    assert ids == [1, 2, 0] and scores.shape == (3, 4)
+    assert path_margins(ref, [5, 6], ids) == pytest.approx([2.0, 1e-4, 3.0], abs=1e-5)
+    tie = TableModel([[1.0, 1.0, 0.0]], prompt_len=1)  # an exact tie goes to the lowest id
+    assert reference_greedy(tie, [0], 1)[0] == [0]
+
+
+def test_check_against_reference_equal_paths():
+    ref = TableModel(TABLE, prompt_len=2)
+    ours = torch.tensor(TABLE) + 1e-6  # a second implementation: the same logits up to rounding
+    found = check_against_reference(ref, [5, 6], [1, 2, 0], ours)
+    assert found.ok and found.agreement.exact and found.excused == 0
+    assert found.logit_error == pytest.approx(1e-6, abs=5e-7) and found.reference_ids == (1, 2, 0)
+
+
+def test_check_against_reference_excuses_a_flip_at_a_near_tie_and_fails_a_wide_one():
+    ref = TableModel(TABLE, prompt_len=2)
+    # our rounding moved step 1's two best by 1e-4 each way: we took token 1, the reference 2
+    ours = torch.tensor(TABLE)
+    ours[1, 1] += 1e-4
+    ours[1, 2] -= 1e-4
+    flipped = check_against_reference(ref, [5, 6], [1, 1, 0], ours)
+    assert flipped.ok and flipped.excused == 1 and flipped.agreement.diverged_at == 1
+    assert flipped.tolerance == pytest.approx(2e-4, rel=1e-3)  # twice the measured difference
+    # the same flip with logits that agree exactly: tolerance 0, so the 1e-4 gap is 'wide'
+    same = check_against_reference(ref, [5, 6], [1, 1, 0], torch.tensor(TABLE))
+    assert not same.ok and same.tolerance == 0.0 and "NOT excused" in same.describe()
+    # a flip at step 0, where the reference's gap is 2 logits: no rounding explains it
+    wide = check_against_reference(ref, [5, 6], [2, 2, 0], ours)
+    assert not wide.ok and wide.agreement.diverged_at == 0
+
+
+@pytest.mark.slow
+def test_the_chapter_prompt_agrees_with_transformers_and_its_near_tie_is_not_portable(model, reference):
+    """Chapter 3's forty greedy steps: the same tokens as transformers' (up to the near-tie
+    rule), and the first step within PORTABLE_MARGIN is the known near-tie at step 27."""
+    prompt_ids = model.tokenizer.encode(PROMPTS[0])
+    records = greedy_trace(model, prompt_ids, 40, keep_logits=True)
+    ids = [r.token_id for r in records]
+    found = check_against_reference(reference, prompt_ids, ids, torch.stack([r.logits for r in records]))
+    assert found.ok, found.describe()
+    assert found.logit_error < 1e-3
+    assert portable_prefix([r.margin for r in records]) == 27

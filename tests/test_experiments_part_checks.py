@@ -1,7 +1,8 @@
-"""The baseline's thread comparison and its memory-rate verdict (labkit.experiments.part_checks),
+"""The baseline's thread comparison, its memory-rate verdict and read size, and the near-tie rule of the loop check (labkit.experiments.part_checks),
 on synthetic samples: no model needed."""
 
 import pytest
+import torch
 
 from labkit.experiments import part_checks as checks
 
@@ -49,3 +50,45 @@ def test_comparison_rows():
     assert rows[0]["speedup_x"] == 2.0 and rows[0]["verdict"] == "faster"
     low, high = map(float, rows[0]["95% interval"].split("-"))
     assert low <= 2.0 <= high
+
+
+def test_memory_read_bytes_is_four_caches_within_bounds():
+    MiB = 2**20
+    assert checks.memory_read_bytes(32 * MiB) == 256 * MiB       # a 32 MiB L3: the floor
+    assert checks.memory_read_bytes(100 * MiB) == 400 * MiB      # 100 MiB: four times it
+    assert checks.memory_read_bytes(300 * MiB) == 2**30           # 300 MiB: the ceiling
+    assert checks.memory_read_bytes(16 * 2**30) == 2**30         # the ceiling
+    assert checks.memory_read_bytes(None) == 256 * MiB           # unknown: the floor
+    assert checks.memory_read_bytes(1_000_003) % 4 == 0
+
+
+class _Table:
+    """Logits [1, seq, vocab]: row k after the prompt is table[k] (earlier positions: row 0)."""
+
+    def __init__(self, table, prompt_len, wrap=False):
+        self.table, self.prompt_len, self.wrap = torch.as_tensor(table), prompt_len, wrap
+
+    def __call__(self, ids):
+        rows = [self.table[max(0, min(i - self.prompt_len + 1, len(self.table) - 1))]
+                for i in range(ids.shape[1])]
+        out = torch.stack(rows)[None]
+        return type("Out", (), {"logits": out})() if self.wrap else out
+
+
+def test_greedy_paths_agree_excuses_a_near_tie_and_fails_a_wide_divergence():
+    table = [[0.0, 3.0, 1.0], [0.0, 2.0, 2.0001], [4.0, 0.0, 0.0]]
+    reference = _Table(table, prompt_len=2, wrap=True)
+    nudged = torch.tensor(table)
+    nudged[1, 1] += 1e-4  # our rounding: step 1's near-tie goes the other way
+    nudged[1, 2] -= 1e-4
+    model = _Table(nudged, prompt_len=2)
+    same = checks.greedy_paths_agree(model, reference, [7, 8], [1, 2, 0], [1, 2, 0])
+    assert same.exact and same.ok
+    flip = checks.greedy_paths_agree(model, reference, [7, 8], [1, 1, 0], [1, 2, 0])
+    assert flip.ok and flip.excused and flip.diverged_at == 1
+    assert flip.tolerance == pytest.approx(2e-4, rel=1e-3)
+    # the same flip where the two backends' logits agree exactly: tolerance 0, so it fails
+    exact = checks.greedy_paths_agree(_Table(table, prompt_len=2), reference, [7, 8], [1, 1, 0], [1, 2, 0])
+    assert not exact.ok and exact.tolerance == 0.0
+    wide = checks.greedy_paths_agree(model, reference, [7, 8], [2, 2, 0], [1, 2, 0])
+    assert not wide.ok and wide.diverged_at == 0

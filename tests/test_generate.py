@@ -1,4 +1,5 @@
-"""Engine v0 and the CLI: greedy output equals transformers' generate, token for token."""
+"""Engine v0 and the CLI: greedy output equals transformers' generate, token for token up to
+the near-tie rule (two implementations of one model: `conftest.assert_greedy_near`)."""
 
 import json
 import os
@@ -7,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS, hf_greedy
+from conftest import (GGUF_LOGIT_ERROR, PROMPTS, SMOL_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores,
+                      hf_greedy_scores)
 from labkit.engine.loop import generate
 from labkit.sampling import SamplingParams
 
@@ -17,7 +19,8 @@ NEW_TOKENS = 24
 @pytest.mark.parametrize("prompt", PROMPTS[:5])
 def test_greedy_matches_transformers_generate(model, reference, prompt):
     ours = generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-    assert ours.token_ids == hf_greedy(reference, ours.prompt_token_ids, NEW_TOKENS)
+    theirs, scores = hf_greedy_scores(reference, ours.prompt_token_ids, NEW_TOKENS)
+    assert_greedy_near([theirs], [ours.token_ids], [scores], SMOL_LOGIT_ERROR, what="labkit against transformers")
     assert ours.text == model.tokenizer.decode(ours.token_ids)
 
 
@@ -25,8 +28,11 @@ def test_chat_prompt_matches_transformers_generate(model, reference):
     ours = generate(model, "Name three planets.", SamplingParams(temperature=0.0, max_tokens=40),
                     chat=True)
     assert ours.prompt_token_ids[:3] == model.tokenizer.encode("<|im_start|>system\n")
-    assert ours.token_ids == hf_greedy(reference, ours.prompt_token_ids, 40)
-    assert ours.finish_reason == "stop"  # the model ends its answer with <|im_end|>
+    theirs, scores = hf_greedy_scores(reference, ours.prompt_token_ids, 40)
+    agreement = assert_greedy_near([theirs], [ours.token_ids], [scores], SMOL_LOGIT_ERROR,
+                                   what="labkit against transformers")
+    if agreement.exact:  # (after an excused near-tie the answers are other texts)
+        assert ours.finish_reason == "stop"  # the model ends its answer with <|im_end|>
 
 
 def test_repeated_greedy_runs_are_identical(model):
@@ -80,8 +86,13 @@ def test_cli_json(model):
     expected = generate(model, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5))
     assert record["weights"] == "gguf"  # the default: the file's blocks, float32's greedy tokens
     assert record["prompt_token_ids"] == expected.prompt_token_ids
-    assert record["token_ids"] == expected.token_ids
-    assert record["text"] == expected.text
+    # the file's blocks against float32 (whose loop is greedy_reference's path): up to a near-tie
+    want, scores = greedy_reference_scores(model, expected.prompt_token_ids, len(expected.token_ids))
+    assert want == expected.token_ids
+    agreement = assert_greedy_near([want], [record["token_ids"]], [scores], GGUF_LOGIT_ERROR,
+                                   what="`labkit generate` on the file's blocks against float32")
+    if agreement.exact:
+        assert record["text"] == expected.text
     assert record["timings"]["prefill"] > 0
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import GGUF_LOGIT_ERROR, assert_greedy_near, chosen_scores
 from labkit.engine.backends import PREFERRED_WEIGHTS, GGUFBackend, backend_for, prepare_weights
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.kernels import gguf_blocks as gb
@@ -137,11 +138,15 @@ def test_the_block_model_gives_the_models_logits(model, blocks_of_the_file):
 def test_gguf_weights_keep_the_greedy_tokens_of_float32(model):
     prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
                "An inference engine takes a trained model and a request, and it must"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = {w: LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights=w)).generate(prompts, greedy)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=20)
+    outputs = {w: [o.samples[0] for o in LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights=w))
+                   .generate(prompts, greedy)]
                for w in ("f32", "gguf")}
-    for f32, blocks in zip(outputs["f32"], outputs["gguf"]):
-        assert blocks.samples[0].token_ids == f32.samples[0].token_ids
+    # two numerical paths: equal up to the near-tie rule, float32's top-20 as its scores
+    f32, blocks = outputs["f32"], outputs["gguf"]
+    assert_greedy_near([s.token_ids for s in f32], [s.token_ids for s in blocks], [s.top_logprobs for s in f32],
+                       GGUF_LOGIT_ERROR, [chosen_scores(s.token_ids, s.logprobs) for s in blocks],
+                       what="the file's blocks against float32")
 
 
 @needs_kernels
@@ -288,5 +293,5 @@ def test_gguf_int8_gives_a_request_its_solo_tokens_in_a_batch(model):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine = LLMEngine(model, EngineConfig(kv_cache_tokens=2048, weights="gguf-int8"))
     together = engine.generate(prompts, greedy)  # six rows a decode step, one prefill for all
-    for prompt, out in zip(prompts, together):
+    for prompt, out in zip(prompts, together):  # the same per-row kernels alone: exact
         assert out.samples[0].token_ids == engine.generate([prompt], greedy)[0].samples[0].token_ids

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from conftest import assert_argmax_near
 from labkit.eval import eval_text
 from labkit.kernels.quant import quantize_int4, quantize_int8
 from labkit.experiments.quantization import (decode_runner, greedy_tokens, paired_difference,
@@ -34,8 +35,11 @@ def test_fake_quant_equals_kernel_path(model, fake, ids, scheme):
     kernel = QuantizedLlama(model, scheme, group_size=64, dtype=torch.float32)
     x = torch.tensor([ids[:6]])
     a, b = fake[scheme](x), kernel(x)
-    assert (a - b).abs().max() < 2e-3 * a.abs().max()
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # the two paths' logit error is held to 2e-3 of the largest logit; their argmax agrees
+    # under the near-tie rule with twice that as its tolerance
+    bound = 2e-3 * float(a.abs().max())
+    assert (a - b).abs().max() < bound
+    assert_argmax_near(a, b, bound, what=f"{scheme} fake quantization against its kernels")
 
 
 def test_bf16_kernel_path_runs_and_mostly_agrees(model, ids):
@@ -49,7 +53,7 @@ def test_float_mirror_reproduces_llama_exactly(model, ids):
     mirror = QuantizedLlama(model, None, dtype=torch.float32)
     x = torch.tensor([ids])
     assert torch.equal(mirror(x), model(x))
-    assert greedy_tokens(mirror, ids, 4) == greedy_tokens(model, ids, 4)
+    assert greedy_tokens(mirror, ids, 4) == greedy_tokens(model, ids, 4)  # the same bits: exact
 
 
 def test_quantize_model_leaves_the_original_alone(model, fake):
@@ -174,7 +178,7 @@ def test_int4_output_side_is_worse_than_input_side(model):
 def test_decode_runner_repeats_the_same_steps(model, ids):
     run = decode_runner(model, ids, 4)
     first = run()
-    assert first == run() == greedy_tokens(model, ids, 5)[1:]
+    assert first == run() == greedy_tokens(model, ids, 5)[1:]  # the same model, cache and steps: exact
     timings = measure_interleaved({"a": run, "b": run}, rounds=2, warmup=0, threads=1)
     assert [len(t.samples) for t in timings.values()] == [2, 2]
     assert all(t.threads == 1 for t in timings.values())

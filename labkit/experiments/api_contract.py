@@ -185,6 +185,22 @@ def models_check(model: str) -> Check:
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"   # greedy decoding goes on counting
 
 
+def greedy_margins(reference, tokenizer, prompt: str, tokens: int) -> tuple[str, list[float]]:
+    """`tokens` greedy tokens of `prompt` from a `transformers` model, as text, and the
+    reference's top-two logit margin at each step. Where every margin is wider than the
+    near-tie tolerance (:mod:`labkit.util.near_tie`), the book's rule asks another path for
+    exactly these tokens, so a served greedy answer can be held to this text."""
+    import torch
+
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.inference_mode():
+        out = reference.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True)
+    top = torch.topk(torch.stack(out.scores)[:, 0].float(), 2, dim=-1).values
+    return (tokenizer.decode(out.sequences[0, ids.shape[1]:].tolist()),
+            (top[:, 0] - top[:, 1]).tolist())
+
+
 def _raw(obj) -> bytes:
     return json.dumps(obj).encode()
 

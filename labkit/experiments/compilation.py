@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from labkit.engine.loop import greedy_continue
+from labkit.engine.loop import GreedyRun, greedy_continue
 from labkit.models.llama import KVCache, Llama, shallow_copy
 from labkit.util.compare import compare
 from labkit.util.timing import Timing
@@ -94,6 +94,28 @@ def forward_step(model: Llama, token_ids: torch.Tensor, cache: KVCache) -> torch
     return FORWARD(model, token_ids, cache=cache)[:, -1]
 
 
+def inductor_cache_for_this_cpu() -> str:
+    """Give Inductor's on-disk cache a folder of its own for this process's CPU capability
+    (PyTorch's `get_cpu_capability()` and oneDNN's ISA cap), unless the environment already
+    chose one, and return it. A cache filled under one capability and read under another
+    gave wrong tokens here (an AVX-512 machine told `ATEN_CPU_CAPABILITY=avx2`, as the test
+    matrix emulates an AVX2 laptop: token 0 from the second step on, a reference gap of 12.5
+    logits); a fresh cache under either gives the eager tokens."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return chosen
+    capability = torch.backends.cpu.get_cpu_capability()
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "all")
+    path = os.path.join(default_cache_dir(), re.sub(r"[^a-z0-9_.-]", "_", f"labkit-{capability}-{onednn}".lower()))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()
+    return path
+
+
 def compile_step(counter: CompileCounter | None = None, **options):
     """`torch.compile(forward_step)`, with `counter` as the backend if given. Dynamo's caches
     are reset first, so graphs from earlier experiments cannot serve this one."""
@@ -124,12 +146,30 @@ def greedy_decode(model: Llama, step, prompt_ids: list[int], new_tokens: int, st
     """Greedy tokens after `prompt_ids` with `step(model, ids, cache)` (eager `forward_step`
     or a compiled one) doing every decode step; returns the first row's tokens and each
     decode step's seconds."""
+    run = greedy_run(model, step, prompt_ids, new_tokens, static, max_len, batch, keep_logits=False)
+    return run.token_ids, run.step_seconds
+
+
+@torch.no_grad()
+def greedy_run(model: Llama, step, prompt_ids: list[int], new_tokens: int, static: bool,
+               max_len: int | None = None, batch: int = 1, keep_logits: bool = True) -> GreedyRun:
+    """:func:`greedy_decode`, keeping (unless told not to) the logits that chose each token of
+    the first row, for the near-tie rule (`labkit.experiments.path_agreement`)."""
     max_len = max_len or len(prompt_ids) + new_tokens
     if len(prompt_ids) + new_tokens > min(max_len, model.rope_cos.shape[0]):
         raise ValueError("prompt + new tokens exceed the cache or the model's context")
     cache, logits = prefill(model, prompt_ids, static, max_len, batch)
-    run = greedy_continue(model, cache, logits, new_tokens, step=step)
-    return run.token_ids, run.step_seconds
+    return greedy_continue(model, cache, logits, new_tokens, step=step, keep_logits=keep_logits)
+
+
+def agreement(reference: GreedyRun, candidate: GreedyRun, logit_error: float | None = None):
+    """The candidate run's tokens against the reference run's under the near-tie rule, with
+    the logit error measured between them (`labkit.experiments.path_agreement.compare`; not
+    checked). `logit_error` defaults to the stated float32 error."""
+    from labkit.experiments import path_agreement as pa
+
+    return pa.compare([reference.token_ids], [candidate.token_ids], [reference.logits],
+                      [candidate.logits], pa.LOGIT_ERROR if logit_error is None else logit_error)
 
 
 def step_at(model: Llama, step, cache: KVCache, position: int, token: int = 0):
@@ -195,23 +235,31 @@ def recompile_case(runs: list[tuple], prompt_ids: list[int], new_tokens: int, ma
                    **options) -> dict:
     """Compile `forward_step` once (with `options`) and decode with it for each run
     (model, static cache?, batch, max_len or 0 for `max_len`[, threads]); count the graphs.
-    Returns graphs, Inductor seconds, the first failed guard of each recompile, and
-    whether every run gave the eager tokens."""
+    Returns graphs, Inductor seconds, the first failed guard of each recompile, whether
+    every run gave the eager tokens (`identical`), and the near-tie rule's verdict on them
+    (`agree`, `excused`, `agreement`; compiled and eager code are two numerical paths, so a
+    divergence is excused only at a near-tie, and a wider one or a logit error beyond the
+    stated one (bfloat16's for a bfloat16 model) raises AssertionError)."""
     from labkit.util.timing import num_threads
+
+    from labkit.experiments import path_agreement as pa
 
     counter = CompileCounter()
     step = compile_step(counter, **options)
-    same = True
+    same, agreements = True, []
     with recompile_reasons() as reasons:
         for model, static, batch, length, *threads in runs:
             with num_threads(threads[0] if threads else None):
-                got, _ = greedy_decode(model, step, prompt_ids, new_tokens, static,
-                                       length or max_len, batch)
-                want, _ = greedy_decode(model, forward_step, prompt_ids, new_tokens, False,
-                                        length or max_len, batch)
-            same = same and got == want
+                got = greedy_run(model, step, prompt_ids, new_tokens, static, length or max_len, batch)
+                want = greedy_run(model, forward_step, prompt_ids, new_tokens, False,
+                                  length or max_len, batch)
+            same = same and got.token_ids == want.token_ids
+            error = pa.BF16_LOGIT_ERROR if model.dtype == torch.bfloat16 else pa.LOGIT_ERROR
+            agreements.append(pa.check(agreement(want, got, error), error).sequences[0])
+    together = pa.summary(agreements)
     return {"graphs": len(counter.graphs), "inductor_s": sum(counter.seconds),
-            "guards": [first_guard(r) for r in reasons], "identical": same}
+            "guards": [first_guard(r) for r in reasons], "identical": same,
+            "agree": together.ok, "excused": together.excused, "agreement": together}
 
 
 def break_even_steps(compile_s: float, eager_step_s: float, compiled_step_s: float) -> float:

@@ -167,6 +167,41 @@ def exactness(tokens: Sequence[int], logits: torch.Tensor, ref: Reference) -> Ex
     return Exactness(first is None, first, float(diff[0].max()), float(diff.max()))
 
 
+def agreement(runs: Sequence[RunResult], ref: Reference, logit_error: float | None = None):
+    """Every run's greedy tokens held to the library's under the near-tie rule
+    (:mod:`labkit.util.near_tie`, through :mod:`labkit.experiments.path_agreement`): a run
+    that parts from the reference where the reference's gap between its token and the run's
+    is within twice `logit_error` (default: the book's stated float32 error,
+    ``path_agreement.LOGIT_ERROR``) is excused, and counted. Scores are the logits both paths
+    chose each token from, so the summary also reports the error measured between them.
+    Returns an :class:`~labkit.util.near_tie.AgreementSummary`, one sequence per run."""
+    from labkit.experiments import path_agreement as pa
+
+    error = pa.LOGIT_ERROR if logit_error is None else logit_error
+    return pa.compare([ref.tokens] * len(runs), [run.tokens for run in runs],
+                      [ref.logits] * len(runs), [run.logits for run in runs], logit_error=error)
+
+
+def agreement_sentence(summary, new_tokens: int) -> str:
+    """The tokens' verdict in words, true for any outcome: "the split model produced the
+    library model's 6 greedy tokens exactly in all 4 runs" or "... exactly in 3 of 4 runs;
+    1 parted from them at a near-tie (...) and was excused"."""
+    total = len(summary.sequences)
+    exact = summary.exact
+    head = (f"the split model produced the library model's {new_tokens} greedy tokens exactly in "
+            + (("the one run" if total == 1 else f"all {total} runs") if exact == total
+               else f"{exact} of {total} runs"))
+    excused = [a for a in summary.sequences if a.excused]
+    if excused:
+        widest = max(a.margin for a in excused)
+        head += (f"; {len(excused)} parted from them at a near-tie (the library's gap between the "
+                 f"two tokens at most {widest:.1e} logits, within the {excused[0].tolerance:.1e} that "
+                 f"rounding can close) and {'was' if len(excused) == 1 else 'were'} excused")
+    if summary.failed:
+        head += f"; {summary.failed} diverged beyond the near-tie tolerance"
+    return head
+
+
 # -- communication micro-benchmarks --------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -169,6 +169,44 @@ async def _sample_state(poller, url, trace: list, stop: asyncio.Event, every: fl
         await asyncio.sleep(every)
 
 
+# -- the near-tie rule for answers of two numerical paths ----------------------------------------
+
+def judge_near_ties(record: Scenario, check: str, model, prompts: dict[str, list[int]], max_tokens: int,
+                    tolerance: float, *, prefix: bool = False):
+    """Re-judge ``record.checks[check]``, a claim that some answers equal their solo runs,
+    by the book's near-tie rule. The answers went through another numerical path than their
+    solo runs (batched rows, a recomputed prefill after a preemption), so where one differs
+    from its solo text, both texts are held to the engine's simple loop in this process on
+    the same prompt (:mod:`labkit.experiments.text_agreement`): the claim holds if every one
+    of them agrees with it, exactly or up to an excused near-tie. `prompts` maps an outcome's
+    label to its prompt ids (the outcomes the claim is about); with `prefix`, an answer may
+    be cut short (a stream that ended in an error). The excused count goes to
+    ``record.counters["near_tie_excused"]``. Returns the
+    :class:`~labkit.util.near_tie.AgreementSummary` of the texts that differed (empty if none)."""
+    from labkit.experiments import text_agreement as ta
+    from labkit.util.near_tie import AgreementSummary
+
+    def equal(o: Outcome) -> bool:
+        return o.expected.startswith(o.text) if prefix else o.text == o.expected
+
+    if check not in record.checks:
+        raise KeyError(f"{record.name} has no check {check!r}")
+    differ = [o for o in record.outcomes if o.label in prompts and o.expected is not None and not equal(o)]
+    sequences = []
+    if differ:
+        refs = ta.reference_runs(model, [prompts[o.label] for o in differ], max_tokens)
+        for o, ref in zip(differ, refs):
+            sequences.append(ta.text_agreement(model.tokenizer, ref, o.expected, tolerance))
+            sequences.append(ta.text_agreement(model.tokenizer, ref, o.text, tolerance, prefix=prefix))
+    summary = AgreementSummary(tuple(sequences))
+    excused = record.counters.get("near_tie_excused", 0)
+    if differ:  # the claim was exact equality; now it is agreement under the rule
+        record.checks[check] = summary.ok
+        excused += len(differ) if summary.ok else 0
+    record.counters["near_tie_excused"] = excused
+    return summary
+
+
 # -- a. KV exhaustion --------------------------------------------------------------------------
 
 def kv_exhaustion(url: str, prompts, max_tokens: int, *, block_size: int = DEFAULT_BLOCK,

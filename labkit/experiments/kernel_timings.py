@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from labkit.experiments.compilation import forward_step, greedy_decode, prefill, step_at
+from labkit.experiments.compilation import forward_step, greedy_run, prefill, step_at
 from labkit.util.timing import Timing, measure, measure_interleaved
 from labkit.engine.paged_cache import KVPool, PagedBatch, causal_attention
 from labkit.kernels import native
@@ -42,13 +42,35 @@ def kernel_steps(model, prompt_ids: list[int], new_tokens: int,
     """For each of `matrix_kernel_models`: the eager decode step at the first generated
     position, the three timed in turns (`measure_interleaved`, `repeats` rounds) so that they
     share the machine's conditions, and `new_tokens` greedy tokens (to check that they agree)."""
-    steps, tokens = {}, {}
+    timings, runs = kernel_runs(model, prompt_ids, new_tokens, repeats)
+    return timings, {name: run.token_ids for name, run in runs.items()}
+
+
+def kernel_runs(model, prompt_ids: list[int], new_tokens: int, repeats: int) -> tuple[dict[str, Timing], dict]:
+    """:func:`kernel_steps` with each way's greedy run whole (`labkit.engine.loop.GreedyRun`:
+    tokens and the logits that chose them), for :func:`kernel_agreement`."""
+    steps, runs = {}, {}
     max_len = len(prompt_ids) + new_tokens
     for name, m in matrix_kernel_models(model).items():
         cache, _ = prefill(m, prompt_ids, False, max_len)
         steps[name] = step_at(m, forward_step, cache, len(prompt_ids))
-        tokens[name], _ = greedy_decode(m, forward_step, prompt_ids, new_tokens, static=False)
-    return measure_interleaved(steps, rounds=repeats, warmup=1), tokens
+        runs[name] = greedy_run(m, forward_step, prompt_ids, new_tokens, static=False)
+    return measure_interleaved(steps, rounds=repeats, warmup=1), runs
+
+
+def kernel_agreement(runs: dict, reference: str = "F.linear (MKL)", logit_error: float | None = None):
+    """Every way's greedy run against the `reference` way's under the near-tie rule
+    (`labkit.experiments.path_agreement`): the kernels sum in other orders, so a divergence
+    is excused only where the reference's two best tokens were within the tolerance, and the
+    logit error between the ways is measured. One sequence per other way, in order; not
+    checked (see `path_agreement.check`)."""
+    from labkit.experiments import path_agreement as pa
+
+    ref = runs[reference]
+    others = [name for name in runs if name != reference]
+    return pa.compare([ref.token_ids] * len(others), [runs[n].token_ids for n in others],
+                      [ref.logits] * len(others), [runs[n].logits for n in others],
+                      pa.LOGIT_ERROR if logit_error is None else logit_error)
 
 
 def random_pool(config, batch: int, longest: int, block_size: int = 16, seed: int = 0):

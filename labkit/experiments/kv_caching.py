@@ -30,6 +30,7 @@ import torch
 from labkit.engine.loop import greedy_decode
 from labkit.experiments.naive_generation import generate_naive
 from labkit.util.compare import MIN_SAMPLES, compare
+from labkit.util.near_tie import flip_tolerance, greedy_agreement
 from labkit.util.timing import measure_interleaved
 
 
@@ -71,8 +72,12 @@ def cache_equivalence(model, prompt_ids: Sequence[int], steps: int) -> dict:
 
     Returns a dict with ``cached`` and ``uncached`` (token ids), ``identical`` (bool),
     ``step_max_abs_diff`` (per step, the largest |logit difference| over the vocabulary;
-    steps after the first differing token are left out, since their prefixes differ) and
-    ``max_abs_diff`` (the largest of those).
+    steps after the first differing token are left out, since their prefixes differ),
+    ``max_abs_diff`` (the largest of those) and ``agreement``: the two token lists under the
+    near-tie rule (:func:`labkit.util.near_tie.greedy_agreement`, the uncached path as the
+    reference, tolerance twice ``max_abs_diff``), whose ``.ok`` is the check (equal tokens,
+    or a first divergence at a gap rounding can close) and ``.excused`` says whether a
+    near-tie was excused.
     """
     cached, cached_logits = generate_cached(model, prompt_ids, steps, keep_logits=True)
     uncached, uncached_logits = generate_uncached(model, prompt_ids, steps)
@@ -81,9 +86,10 @@ def cache_equivalence(model, prompt_ids: Sequence[int], steps: int) -> dict:
         diffs.append(float((a - b).abs().max()))
         if ta != tb:
             break
+    agreement = greedy_agreement(uncached, cached, uncached_logits, flip_tolerance(max(diffs)))
     return {"prompt_tokens": len(prompt_ids), "steps": steps, "cached": cached,
             "uncached": uncached, "identical": cached == uncached,
-            "step_max_abs_diff": diffs, "max_abs_diff": max(diffs)}
+            "step_max_abs_diff": diffs, "max_abs_diff": max(diffs), "agreement": agreement}
 
 
 def speedup_curve(model, source_ids: Sequence[int], cases: Iterable[tuple[int, int]], *,

@@ -150,6 +150,46 @@ def cold_copies(nbytes: int, cold_bytes: int) -> int:
     return max(1, math.ceil(cold_bytes / nbytes)) if cold_bytes > 0 else 1
 
 
+def cold_pool_bytes(floor_bytes: int, caches: Mapping[str, int] | None = None,
+                    factor: float = 2.0) -> int:
+    """Bytes of weight copies for :func:`gemv_sweep` to cycle through so that every call
+    reads its weight from main memory: at least `floor_bytes`, and at least `factor` times
+    the largest cache of `caches` (default: this machine's, :func:`cpu_caches`). Where no
+    cache size can be read, `floor_bytes`."""
+    caches = cpu_caches() if caches is None else caches
+    largest = max(caches.values(), default=0)
+    return max(int(floor_bytes), math.ceil(factor * largest))
+
+
+def size_words(nbytes: float) -> str:
+    """A size for prose, in binary units: '300 MiB', '48 KiB', '1.5 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.1f} {unit}" if value < 10 and value != int(value) else f"{value:.0f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def cache_words(caches: Mapping[str, int]) -> str:
+    """'48 KiB L1, 2 MiB L2, 300 MiB L3', or 'sizes not readable here' for no caches."""
+    return ", ".join(f"{size_words(b)} {level}" for level, b in caches.items()) or "sizes not readable here"
+
+
+def beyond_cache(nbytes: float, caches: Mapping[str, int]) -> bool:
+    """Whether `nbytes` exceed the largest cache of `caches`: a fact about the machine, for
+    a sentence glued with ``Results.fact``. False where they fit, and where no size is known
+    (the sentence for False then has to say so: :func:`llc_words`)."""
+    return bool(caches) and nbytes > max(caches.values())
+
+
+def llc_words(caches: Mapping[str, int]) -> str:
+    """The last-level cache for prose: "this machine's 300 MiB last-level cache", or, where
+    no size could be read, "the last-level cache (whose size could not be read here)"."""
+    if not caches:
+        return "the last-level cache (whose size could not be read here)"
+    return f"this machine's {size_words(max(caches.values()))} last-level cache"
+
+
 def gemv_sweep(shapes: Mapping[str, tuple[int, int]], threads_list: Sequence[int | None] = (1, 2),
                layout: str = "in_out", *, batch: int = 1, dtype: torch.dtype = torch.float32,
                repeats: int = 10, warmup: int = 3, min_seconds: float = 0.0,
@@ -474,7 +514,8 @@ def decode_step_fn(model, prompt_ids: Sequence[int], next_id: int = 0) -> Callab
 
 __all__ = [
     "LAYOUTS", "cpu_caches", "dtype_bytes", "matmul_flops", "matmul_bytes", "weight_bytes", "gemm_sweep",
-    "gemv_weight", "gemv", "cold_copies", "gemv_sweep", "call_overhead_sweep", "overhead_floor",
+    "gemv_weight", "gemv", "cold_copies", "cold_pool_bytes", "size_words", "cache_words",
+    "beyond_cache", "llc_words", "gemv_sweep", "call_overhead_sweep", "overhead_floor",
     "leaves_floor", "compare_threads", "device_sweep", "model_gemv_shapes", "gemv_calls_per_token",
     "decode_matmul_pass", "decode_step_fn", "Step", "find_step", "step_phrase", "level_phrase",
     "slower_phrase",

@@ -496,7 +496,7 @@ def neighbour_dependence(token: torch.Tensor, neighbours: torch.Tensor, weights:
 def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidden: int,
                 batch_sizes: list[int], rounds: int, *, warmup: int = 1,
                 max_tokens: dict[str, int] | None = None, seed: int = 0,
-                threads: int | None = None) -> list[dict]:
+                threads: int | None = None, keep_samples: bool = False) -> list[dict]:
     """Time every layer of ``layers`` (each a function of the tokens ``x [T, hidden]``) at
     every batch size ``T``, on the same seeded random tokens, the layers in turns
     (:func:`labkit.util.timing.measure_interleaved`) so that a slow spell of a shared
@@ -504,7 +504,8 @@ def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidde
     (the dense loop, whose cost only grows).
 
     Returns one record per (T, layer): ``tokens``, ``layer``, ``median_ms``, ``min_ms``,
-    ``p25_ms``, ``p75_ms``, ``max_ms``, ``repeats``."""
+    ``p25_ms``, ``p75_ms``, ``max_ms``, ``repeats``; with ``keep_samples`` also
+    ``samples_ms``, every round's time, for :func:`labkit.util.compare.compare`."""
     from labkit.util.timing import measure_interleaved
 
     limits = max_tokens or {}
@@ -521,7 +522,34 @@ def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidde
                             "min_ms": 1e3 * t.min, "p25_ms": 1e3 * t.quantile(0.25),
                             "p75_ms": 1e3 * t.quantile(0.75), "max_ms": 1e3 * t.max,
                             "repeats": len(t.samples)})
+            if keep_samples:
+                records[-1]["samples_ms"] = [1e3 * s for s in t.samples]
     return records
+
+
+@dataclass(frozen=True)
+class CacheFit:
+    """A layer's experts against one cache size (a fact about the machine, not the layer)."""
+
+    cache_bytes: int
+    expert_bytes: int
+    experts_that_fit: int     # whole experts the cache could hold at once
+    expert_over_cache: float  # one expert's bytes / the cache's
+    token_experts_fit: bool   # the k experts one token reads fit together
+    layer_fits: bool          # every expert of the layer fits together
+
+
+def cache_fit(weights: MoEWeights, cache_bytes: int | None) -> CacheFit | None:
+    """How `weights`' experts compare with a cache of `cache_bytes` (None where the size is
+    unknown): a timing loop that reads the same experts again finds them in a cache that
+    holds them, so what fits decides whether a time measures reads from memory."""
+    if not cache_bytes:
+        return None
+    size = weights.bytes_per_expert
+    return CacheFit(cache_bytes=cache_bytes, expert_bytes=size,
+                    experts_that_fit=cache_bytes // size, expert_over_cache=size / cache_bytes,
+                    token_experts_fit=weights.top_k * size <= cache_bytes,
+                    layer_fits=weights.experts * size <= cache_bytes)
 
 
 def router_distinct_experts(weights: MoEWeights, tokens: int, trials: int, seed: int = 0) -> list[int]:

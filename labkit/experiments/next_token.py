@@ -18,7 +18,12 @@ looks at those pieces one step at a time:
   random streams of ``labkit.sampling`` and compares the frequencies with the probabilities
   (total variation distance and a chi-square test);
 * :func:`final_hidden_state` and :func:`step_logits` expose the last hidden vector (whose dot
-  product with each embedding row is that token's logit) and the logits of one decode step.
+  product with each embedding row is that token's logit) and the logits of one decode step;
+* :func:`path_margins`, :func:`portable_prefix` and :func:`check_against_reference` say which
+  greedy tokens are the same on every machine: a step whose top two logits are closer than
+  :data:`PORTABLE_MARGIN` may go either way under another CPU's float32 rounding, and a
+  comparison with an independent implementation follows the near-tie rule of
+  :mod:`labkit.util.near_tie`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from labkit.engine.loop import greedy_decode
 from labkit.sampling import SamplingParams, probabilities, sample
+from labkit.util.near_tie import GreedyAgreement, flip_tolerance, greedy_agreement, top_two_margins
 
 __all__ = [
     "StepRecord",
@@ -48,6 +54,12 @@ __all__ = [
     "step_logits",
     "lead_phrase",
     "same_choice_phrase",
+    "PORTABLE_MARGIN",
+    "path_margins",
+    "portable_prefix",
+    "ReferenceCheck",
+    "reference_greedy",
+    "check_against_reference",
 ]
 
 
@@ -429,3 +441,104 @@ def same_choice_phrase(chosen: int, reference: int, *, reference_name: str = "fl
     if int(chosen) == int(reference):
         return f"the same token as in {reference_name}"
     return f"not the token {reference_name} chose"
+
+
+# --------------------------------------------------------------------------- tokens on any machine
+
+# A greedy step whose top two logits are further apart than this chooses the same token on any
+# machine that computes the model correctly in float32; a checked output of greedy token ids
+# stops before the first step within it. Measured for SmolLM2-135M along the greedy path of the
+# book's prompt: float32 logits differ from a float64 run of the same model by at most 2.7e-5,
+# and between PyTorch's AVX-512 and AVX2 kernels by 2.9e-5; two float32 paths therefore move a
+# gap by at most about 1e-4 (twice their difference, :func:`labkit.util.near_tie.flip_tolerance`).
+# The margin is ten times that, for kernels and libraries we could not run.
+PORTABLE_MARGIN = 1e-3
+
+
+def path_margins(model, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[float]:
+    """Top-1 minus top-2 logit of every step that chose ``output_ids``, from one forward pass
+    over prompt and output (the logits at position ``len(prompt) - 1 + i`` choose output ``i``).
+    ``model(ids)`` returns logits ``[1, seq, vocab]`` (or an object with ``.logits``)."""
+    prompt_ids, output_ids = [int(i) for i in prompt_ids], [int(i) for i in output_ids]
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if not output_ids:
+        return []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids + output_ids]))
+    logits = getattr(out, "logits", out)[0, len(prompt_ids) - 1:-1]
+    return top_two_margins(logits)
+
+
+def portable_prefix(margins: Sequence[float], margin: float = PORTABLE_MARGIN) -> int:
+    """How many leading greedy steps choose the same token on every machine: the steps before
+    the first whose top-two logit margin is at most ``margin`` (all of them when none is).
+    From that step on, another machine's rounding may take the runner-up, and every later
+    token then continues a different text."""
+    if not margin >= 0:
+        raise ValueError(f"the margin is a non-negative logit gap, got {margin!r}")
+    return next((i for i, m in enumerate(margins) if m <= margin), len(margins))
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    """Our greedy tokens against an independent implementation's, under the near-tie rule."""
+
+    agreement: GreedyAgreement
+    logit_error: float          # max |our logit - reference logit| on the steps both shared
+    reference_ids: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.agreement.ok
+
+    @property
+    def excused(self) -> int:
+        """Sequences that parted at a near-tie (0 or 1: one sequence is compared)."""
+        return int(self.agreement.excused)
+
+    @property
+    def tolerance(self) -> float:
+        return self.agreement.tolerance
+
+    def describe(self) -> str:
+        return (f"{self.agreement.describe()}; largest logit difference {self.logit_error:.1e}, "
+                f"tolerance {self.tolerance:.1e}")
+
+
+def reference_greedy(reference, prompt_ids: Sequence[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """``steps`` greedy tokens of another implementation (``reference(ids)`` returns logits
+    ``[1, seq, vocab]``, or an object with ``.logits``, as a ``transformers`` model does), each
+    step a full pass over the sequence so far, with no cache, ties to the lowest id; and the
+    ``[steps, vocab]`` float32 logits that chose them."""
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    chosen, scores = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            out = reference(torch.tensor([ids + chosen]))
+            logits = getattr(out, "logits", out)[0, -1].float()
+            top = logits.max()
+            chosen.append(int((logits == top).nonzero()[0]))  # the lowest id among equal maxima
+            scores.append(logits)
+    return chosen, torch.stack(scores) if scores else torch.empty(0)
+
+
+def check_against_reference(reference, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                            output_logits: torch.Tensor) -> ReferenceCheck:
+    """Compare our greedy ``output_ids`` (chosen from ``output_logits`` ``[steps, vocab]``) with
+    the greedy tokens of ``reference`` on the same prompt, under the near-tie rule
+    (:mod:`labkit.util.near_tie`). The tolerance is measured, not chosen: the largest
+    difference between our logits and the reference's over every vocabulary entry of the steps
+    both paths share (up to and including the first that differs), doubled
+    (:func:`~labkit.util.near_tie.flip_tolerance`)."""
+    ours = torch.as_tensor(output_logits).detach().float()
+    output_ids = [int(i) for i in output_ids]
+    if ours.shape[0] != len(output_ids):
+        raise ValueError(f"{len(output_ids)} tokens but logits for {ours.shape[0]} steps")
+    ref_ids, ref_scores = reference_greedy(reference, prompt_ids, len(output_ids))
+    shared = next((i for i, (a, b) in enumerate(zip(ref_ids, output_ids)) if a != b), len(output_ids) - 1)
+    error = float((ours[:shared + 1] - ref_scores[:shared + 1]).abs().max()) if output_ids else 0.0
+    found = greedy_agreement(ref_ids, output_ids, ref_scores, flip_tolerance(error), candidate_scores=ours)
+    return ReferenceCheck(found, error, tuple(ref_ids))

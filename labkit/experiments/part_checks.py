@@ -2,11 +2,13 @@
 
     part       reference                                   check
     tokenizer  transformers.AutoTokenizer (same GGUF)      identical ids and decoded text
-    backend    transformers LlamaForCausalLM (same weights) max |logit diff|, argmax agreement,
-                                                           with and without the KV cache
+    backend    transformers LlamaForCausalLM (same weights) max |logit diff|, argmax agreement
+                                                           (near-ties excused), with and
+                                                           without the KV cache
     sampler    transformers' logits warpers + softmax      same kept set, probabilities within
                                                            1e-6, every seeded draw inside the set
-    loop       transformers generate(do_sample=False)      greedy tokens identical
+    loop       transformers generate(do_sample=False)      greedy tokens identical up to the
+                                                           near-tie rule (labkit.util.near_tie)
 
 Every check returns a :class:`CheckResult` whose ``passed`` is a plain bool, so a notebook can
 print it as a checked output. A check that cannot fail proves nothing, so this module also
@@ -27,6 +29,7 @@ import torch
 
 from labkit.engine.contracts import LogitsModel, EngineModel, Loop, Sampler, TokenizerLike
 from labkit.sampling import SamplingParams, probabilities, sample
+from labkit.util.near_tie import GreedyAgreement, flip_tolerance, greedy_agreement
 
 __all__ = [
     "CheckResult",
@@ -35,6 +38,7 @@ __all__ = [
     "reference_distribution",
     "check_sampler",
     "check_loop",
+    "greedy_paths_agree",
     "broken_tokenizer",
     "broken_backend",
     "broken_sampler",
@@ -43,6 +47,7 @@ __all__ = [
     "BASELINE_STAGES",
     "thread_comparisons",
     "memory_rate_verdict",
+    "memory_read_bytes",
     "comparison_rows",
 ]
 
@@ -113,8 +118,11 @@ def check_backend(backend: LogitsModel, reference_model: Any, prompts: Sequence[
                   atol: float = 1e-3) -> CheckResult:
     """Logits of every prompt (token ids) at every position, from one pass without a cache and
     from a prefill of the first half followed by one-token steps with the cache, against the
-    reference's single pass. Pass when max |diff| <= ``atol`` and the argmax agrees everywhere."""
-    diffs, agree, positions, peak = {"one pass": 0.0, "cached": 0.0}, 0, 0, 0.0
+    reference's single pass. Pass when max |diff| <= ``atol`` and the argmax agrees everywhere
+    but at near-ties: positions where the reference's gap between its argmax and ours is within
+    twice that path's largest difference (:func:`~labkit.util.near_tie.flip_tolerance`), which
+    rounding may break either way; they are counted in ``details["argmax_excused"]``."""
+    diffs, agree, excused, positions, peak = {"one pass": 0.0, "cached": 0.0}, 0, 0, 0, 0.0
     for ids in prompts:
         ref = _reference_logits(reference_model, list(ids))
         peak = max(peak, float(ref.abs().max()))
@@ -122,18 +130,25 @@ def check_backend(backend: LogitsModel, reference_model: Any, prompts: Sequence[
             full = backend(torch.tensor([list(ids)]))[0].float()
         cached = _cached_logits(backend, list(ids), max(1, len(ids) // 2))
         for path, ours in (("one pass", full), ("cached", cached)):
-            diffs[path] = max(diffs[path], float((ours - ref).abs().max()))
-            agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+            diff = float((ours - ref).abs().max())
+            diffs[path] = max(diffs[path], diff)
+            mine, theirs = ours.argmax(-1), ref.argmax(-1)
+            same = mine == theirs
+            gap = ref.gather(-1, theirs[:, None]) - ref.gather(-1, mine[:, None])
+            agree += int(same.sum())
+            excused += int(((~same) & (gap[:, 0] <= flip_tolerance(diff))).sum())
             positions += ref.shape[0]
     max_diff = max(diffs.values())
-    passed = max_diff <= atol and agree == positions and positions > 0
+    passed = max_diff <= atol and agree + excused == positions and positions > 0
     return CheckResult(
         part="backend", reference="transformers LlamaForCausalLM, same weights",
         check=f"max |logit diff| <= {atol:g} and same argmax, with and without the cache",
-        measured=f"max |diff| {max_diff:.1e} (|logits| up to {peak:.0f}); argmax {agree}/{positions}",
+        measured=(f"max |diff| {max_diff:.1e} (|logits| up to {peak:.0f}); argmax {agree}/{positions}"
+                  + (f" ({excused} near-ties excused)" if excused else "")),
         passed=passed,
         details={"max_abs_diff": max_diff, "max_abs_diff_one_pass": diffs["one pass"],
-                 "max_abs_diff_cached": diffs["cached"], "argmax_agree": agree, "positions": positions,
+                 "max_abs_diff_cached": diffs["cached"], "argmax_agree": agree,
+                 "argmax_excused": excused, "positions": positions,
                  "max_abs_logit": peak, "atol": atol},
     )
 
@@ -212,28 +227,57 @@ def _reference_greedy(reference_model: Any, prompt_ids: list[int], max_tokens: i
     return new[: new.index(eos)] if eos in new else new  # our loop reports EOS as a finish reason
 
 
+def greedy_paths_agree(model: Any, reference_model: Any, prompt_ids: Sequence[int],
+                       ours: Sequence[int], theirs: Sequence[int]) -> GreedyAgreement:
+    """Our greedy tokens ``ours`` against the reference's ``theirs`` (both continuing
+    ``prompt_ids``), under the near-tie rule (:mod:`labkit.util.near_tie`). The reference's
+    scores are its logits along its own tokens (one pass over prompt and ``theirs``); the
+    tolerance is measured, not chosen: twice the largest difference between ``model``'s logits
+    and the reference's on the positions the two share (up to and including the first where
+    they differ), over the whole vocabulary."""
+    prompt_ids, ours, theirs = [int(i) for i in prompt_ids], [int(i) for i in ours], [int(i) for i in theirs]
+    if not theirs:
+        return greedy_agreement(theirs, ours, [], 0.0)
+    ids = torch.tensor([prompt_ids + theirs])
+    start = len(prompt_ids) - 1
+    ref = _reference_logits(reference_model, ids[0].tolist())[start:start + len(theirs)]
+    with torch.no_grad():
+        mine = model(ids)[0].float()[start:start + len(theirs)]
+    shared = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(ours), len(theirs)) - 1)
+    shared = max(0, min(shared, len(theirs) - 1))
+    error = float((mine[:shared + 1] - ref[:shared + 1]).abs().max())
+    return greedy_agreement(theirs, ours, ref, flip_tolerance(error), candidate_scores=mine)
+
+
 def check_loop(loop: Loop, model: EngineModel, reference_model: Any, prompts: Sequence[str], *,
                max_tokens: int = 16) -> CheckResult:
     """Greedy continuation of each prompt by ``loop(model, prompt, params)`` against the
     reference's ``generate(do_sample=False)`` on the same prompt ids (encoded by the model's
-    tokenizer): pass when every token of every prompt is identical."""
+    tokenizer): pass when every prompt's tokens are identical, or part only at a near-tie
+    (:func:`greedy_paths_agree`: the reference's two candidates there within twice the measured
+    difference of the two backends' logits); excused near-ties are counted, never hidden."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     eos = model.tokenizer.eos_token_id
-    same, first_divergence = 0, []
+    same, excused, first_divergence, failed, tolerances = 0, 0, [], 0, []
     for prompt in prompts:
+        prompt_ids = list(model.tokenizer.encode(prompt))
         ours = list(loop(model, prompt, params).token_ids)
-        theirs = _reference_greedy(reference_model, list(model.tokenizer.encode(prompt)), max_tokens, eos)
-        if ours == theirs:
-            same += 1
-        else:
-            first_divergence.append(next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                                         min(len(ours), len(theirs))))
+        theirs = _reference_greedy(reference_model, prompt_ids, max_tokens, eos)
+        found = greedy_paths_agree(model, reference_model, prompt_ids, ours, theirs)
+        tolerances.append(found.tolerance)
+        same += int(found.exact)
+        excused += int(found.excused)
+        failed += int(not found.ok)
+        if not found.exact:
+            first_divergence.append(found.diverged_at)
     return CheckResult(
         part="loop", reference="transformers generate(do_sample=False)",
-        check=f"greedy tokens identical, {max_tokens} new tokens per prompt",
-        measured=f"{same}/{len(prompts)} prompts identical token for token",
-        passed=same == len(prompts) and len(prompts) > 0,
-        details={"prompts": len(prompts), "identical": same, "first_divergence": first_divergence},
+        check=f"greedy tokens identical up to the near-tie rule, {max_tokens} new tokens per prompt",
+        measured=(f"{same}/{len(prompts)} prompts identical token for token"
+                  + (f", {excused} parted at a near-tie (excused)" if excused else "")),
+        passed=failed == 0 and len(prompts) > 0,
+        details={"prompts": len(prompts), "identical": same, "excused": excused,
+                 "first_divergence": first_divergence, "tolerances": tolerances},
     )
 
 
@@ -361,6 +405,16 @@ def thread_comparisons(one: dict[str, Any], two: dict[str, Any],
     return {stage: compare(two[f"{stage}_samples_s"], one[f"{stage}_samples_s"],
                            name_a="two threads", name_b="one thread")
             for stage in stages}
+
+
+def memory_read_bytes(last_level_cache: int | None, *, floor: int = 256 * 2**20,
+                      ceiling: int = 2**30) -> int:
+    """The size of a buffer whose sum reads main memory rather than a cache: four times the
+    last-level cache, at least ``floor`` (also where the cache size is unknown) and at most
+    ``ceiling`` (a machine whose cache is larger than a quarter of it gets a buffer that the
+    cache may hold, and the chapter says so). A multiple of 4 bytes (float32)."""
+    size = floor if not last_level_cache else min(max(4 * int(last_level_cache), floor), ceiling)
+    return size - size % 4
 
 
 def memory_rate_verdict(step_gb_s: float, read_gb_s: float, *, close: float = 0.8) -> str:

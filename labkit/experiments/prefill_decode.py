@@ -291,6 +291,31 @@ class _Request:
         return kind, n
 
 
+def position_agreement(reference_logits: torch.Tensor, candidate_logits: torch.Tensor,
+                       tolerance: float | None = None):
+    """Do two numerical paths pick the same token at every position of one pass (e.g. a
+    prompt prefilled in one pass and in chunks)? The near-tie rule of
+    :mod:`labkit.util.near_tie`, position by position: the positions read the same input, so
+    a divergence at one does not end the comparison. A position where the argmaxes differ is
+    excused when the reference's gap between its token and the candidate's is within
+    `tolerance` (default: :func:`~labkit.util.near_tie.flip_tolerance` of the largest
+    |logit difference| of the two paths), and fails otherwise.
+
+    `*_logits` are [positions, vocab] (a leading batch of 1 is dropped). Returns the
+    :class:`~labkit.util.near_tie.AgreementSummary` (one one-token sequence per position):
+    ``.ok``, ``.exact`` positions, ``.excused`` positions, ``.describe()``."""
+    from labkit.util.near_tie import compare_greedy, flip_tolerance
+
+    ref = reference_logits.detach().float().reshape(-1, reference_logits.shape[-1])
+    cand = candidate_logits.detach().float().reshape(-1, candidate_logits.shape[-1])
+    if ref.shape != cand.shape:
+        raise ValueError(f"logits of different shapes: {tuple(ref.shape)} and {tuple(cand.shape)}")
+    if tolerance is None:
+        tolerance = flip_tolerance(float((ref - cand).abs().max()))
+    return compare_greedy([[int(t)] for t in ref.argmax(-1)], [[int(t)] for t in cand.argmax(-1)],
+                          [[row] for row in ref], tolerance)
+
+
 def two_request_timeline(model, short_prompt: Sequence[int], long_prompt: Sequence[int],
                          chunk: int | None = None, *, short_tokens: int = 32,
                          long_tokens: int = 4, arrive_after: int = 8) -> dict:
@@ -466,7 +491,7 @@ def reference_phase_times(ref, ids: Sequence[int], lengths: Sequence[int], *,
 __all__ = [
     "PREFILL", "DECODE", "eval_prompt_ids", "greedy", "default_schedule", "ttft_once",
     "ttft_curve", "loglog_slopes", "fit_linear_quadratic", "decode_curve", "split_phases",
-    "phase_shares", "chunked_prefill", "two_request_timeline", "long_request_times", "schedules_in_turns",
+    "phase_shares", "chunked_prefill", "position_agreement", "two_request_timeline", "long_request_times", "schedules_in_turns",
     "chunking_verdict", "gap_summary",
     "reference_phase_times", "plot_timeline",
 ]

@@ -9,11 +9,15 @@ closer than that error.
 
 Every runtime here produces, for each prompt, ``new_tokens`` greedy tokens (EOS ignored, so
 every run has the same length) and the raw log-probabilities of the 20 most likely tokens
-at every step (:class:`GreedyRun`). :func:`compare_runs` holds a run to the baseline's: the
-first step where the tokens differ, both runs' margins there (top-1 minus top-2
-log-probability; a difference of log-probabilities is a difference of logits), and the
-largest change of the top-20 log-probabilities at the first generated position (the end of
-the prompt, before any token differs).
+at every step (:class:`GreedyRun`). :func:`compare_runs` holds a run to the baseline's under
+the book's near-tie rule (:mod:`labkit.util.near_tie`, the one definition the tests and
+chapters share): the first step where the tokens differ, both runs' margins there (top-1
+minus top-2 log-probability; a difference of log-probabilities is a difference of logits),
+whether the rule excuses the divergence, and the largest change of the top-20
+log-probabilities at the first generated position (the end of the prompt, before any token
+differs). The rule's tolerance for a runtime is twice its measured error
+(:func:`runtime_error`): the largest change it made to the baseline's top-20
+log-probabilities on any step where both had seen the same tokens.
 
 Runtimes on the model itself (a contiguous cache, one prompt at a time unless padded):
 
@@ -47,6 +51,7 @@ from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.scheduler import SchedulerConfig
 from labkit.models.llama import KVCache
 from labkit.sampling import SamplingParams
+from labkit.util.near_tie import AgreementSummary, GreedyAgreement, flip_tolerance, greedy_agreement
 
 TOP = 20  # log-probabilities kept per step (the engine reports at most 20)
 
@@ -261,15 +266,18 @@ class Divergence:
     runtime_token: int | None
     flip_change: float | None       # largest |change| of the top-20 log-probs at that step
     prompt_end_change: float        # the same at step 0, the end of the prompt
+    agreement: GreedyAgreement      # the near-tie rule's verdict on this prompt
 
     @property
-    def change_covers_margin(self) -> bool | None:
-        """Whether the scores moved enough at the flip to undo the baseline's margin: the
-        top two swapped, so one of them moved by at least half the margin. True for every
-        real flip; False would mean the runs were compared wrongly."""
-        if self.identical:
-            return None
-        return 2 * self.flip_change >= self.baseline_margin - 1e-6
+    def gap(self) -> float | None:
+        """The baseline's log-probability of its token minus that of the runtime's token at
+        the flip (its top-two margin when the runtime took the runner-up)."""
+        return self.agreement.margin
+
+    @property
+    def excused(self) -> bool | None:
+        """Whether the near-tie rule excuses the flip (None: no flip)."""
+        return None if self.identical else self.agreement.excused
 
 
 def step_change(base: GreedyRun, other: GreedyRun, step: int) -> float:
@@ -279,19 +287,47 @@ def step_change(base: GreedyRun, other: GreedyRun, step: int) -> float:
     return max((abs(lp - theirs[t]) for t, lp in base.top[step] if t in theirs), default=math.inf)
 
 
-def compare_runs(baseline: list[GreedyRun], runs: list[GreedyRun]) -> list[Divergence]:
-    """Each prompt's run held to the baseline's."""
+def first_difference(base: GreedyRun, run: GreedyRun) -> int | None:
+    """The first step whose tokens differ (None: none does)."""
+    return next((s for s, (a, b) in enumerate(zip(base.tokens, run.tokens)) if a != b), None)
+
+
+def runtime_error(baseline: list[GreedyRun], runs: list[GreedyRun]) -> float:
+    """The runtime's measured error: the largest change of the baseline's top-20
+    log-probabilities over every step on which both runs had seen the same tokens (each
+    prompt's steps up to and including its first difference). Twice it is the near-tie
+    rule's tolerance (:func:`labkit.util.near_tie.flip_tolerance`)."""
+    worst = 0.0
+    for base, run in zip(baseline, runs, strict=True):
+        first = first_difference(base, run)
+        shared = len(base.tokens) if first is None else first + 1
+        worst = max([worst] + [step_change(base, run, s) for s in range(shared)])
+    return worst
+
+
+def compare_runs(baseline: list[GreedyRun], runs: list[GreedyRun],
+                 tolerance: float | None = None) -> list[Divergence]:
+    """Each prompt's run held to the baseline's under the near-tie rule, with `tolerance`
+    (default: twice :func:`runtime_error` of these runs)."""
+    if tolerance is None:
+        tolerance = flip_tolerance(runtime_error(baseline, runs))
     rows = []
     for i, (base, run) in enumerate(zip(baseline, runs, strict=True)):
         change = step_change(base, run, 0)
-        step = next((s for s, (a, b) in enumerate(zip(base.tokens, run.tokens)) if a != b), None)
+        agreement = greedy_agreement(base.tokens, run.tokens, base.top, tolerance, run.top)
+        step = agreement.diverged_at
         if step is None:
-            rows.append(Divergence(i, True, None, None, None, None, None, None, change))
+            rows.append(Divergence(i, True, None, None, None, None, None, None, change, agreement))
         else:
             rows.append(Divergence(i, False, step, base.margin(step), run.margin(step),
                                    base.tokens[step], run.tokens[step],
-                                   step_change(base, run, step), change))
+                                   step_change(base, run, step), change, agreement))
     return rows
+
+
+def agreement_summary(rows: list[Divergence]) -> AgreementSummary:
+    """The near-tie rule's summary of one runtime's prompts: equal, excused, failed."""
+    return AgreementSummary(tuple(r.agreement for r in rows))
 
 
 def margins(runs: list[GreedyRun]) -> list[float]:
@@ -307,6 +343,20 @@ class RuntimeChoice:
     group: str       # "one change" (the source's seven) or "the serving engine"
     changes: str     # what differs from the baseline
     run: Callable[..., list[GreedyRun]]  # (model, prompts, new_tokens) -> runs
+    needs_native: bool = False  # runs labkit's C kernels (refused or replaced without them)
+
+
+def unavailable(choice: RuntimeChoice) -> str | None:
+    """Why `choice` cannot run as named on this machine (None: it can). The bfloat16 and
+    model-file modes refuse to run without labkit's C kernels, and the C attention and
+    packed backends would quietly fall back to PyTorch, so without the kernels they are
+    not the runtime their name says."""
+    if choice.needs_native:
+        from labkit.kernels import native
+
+        if native.load() is None:
+            return f"needs labkit's C kernels: {native.why_unavailable()}"
+    return None
 
 
 def choices() -> list[RuntimeChoice]:
@@ -322,23 +372,26 @@ def choices() -> list[RuntimeChoice]:
         RuntimeChoice("attention written out", one, "softmax(QK^T)V in plain tensor operations",
                       lambda m, p, n: contiguous_runtime(m, p, n, cache_type=MathAttentionCache)),
         RuntimeChoice("C attention kernel", one, "labkit's paged-attention kernel over a paged cache",
-                      lambda m, p, n: engine_runtime(m, p, n, backend=NativeAttentionBackend())),
+                      lambda m, p, n: engine_runtime(m, p, n, backend=NativeAttentionBackend()),
+                      needs_native=True),
         RuntimeChoice("static-shape cache", one, "every step attends over all slots, unfilled ones masked",
                       lambda m, p, n: contiguous_runtime(m, p, n, cache_type=StaticShapeCache)),
         RuntimeChoice("padded batch", one, "all prompts in one batch, left-padded",
                       padded_batch_runtime),
         RuntimeChoice("bfloat16", one, "bfloat16 weights and activations (float32 sums)",
-                      lambda m, p, n: engine_runtime(m, p, n, weights="bf16")),
+                      lambda m, p, n: engine_runtime(m, p, n, weights="bf16"), needs_native=True),
         RuntimeChoice("paged, gather + SDPA", engine, "the engine's reference backend, one request at a time",
                       lambda m, p, n: engine_runtime(m, p, n, backend=ReferenceBackend())),
         RuntimeChoice("continuous batch", engine, "all prompts queued at once, 512-token steps",
                       lambda m, p, n: engine_runtime(m, p, n, together=True, backend=ReferenceBackend())),
         RuntimeChoice("packed float32 + C kernels", engine,
                       "the continuous batch on oneDNN-packed weights and C kernels (the engine's f32)",
-                      lambda m, p, n: engine_runtime(m, p, n, together=True, backend=FastBackend())),
+                      lambda m, p, n: engine_runtime(m, p, n, together=True, backend=FastBackend()),
+                      needs_native=True),
         RuntimeChoice("the model file's blocks", engine,
                       "the continuous batch on the GGUF's own blocks (labkit serve's default)",
-                      lambda m, p, n: engine_runtime(m, p, n, together=True, weights="gguf")),
+                      lambda m, p, n: engine_runtime(m, p, n, together=True, weights="gguf"),
+                      needs_native=True),
     ]
 
 

@@ -38,6 +38,7 @@ import torch
 from labkit.experiments.kv_heads import layer_positions
 from labkit.models.llama import KVCache
 from labkit.models.window_cache import RollingKVCache, WindowedKVCache, windowed_attention
+from labkit.util.near_tie import GreedyAgreement, flip_tolerance, greedy_agreement
 
 
 # -- 1. a window (and sinks) imposed by the cache -------------------------------------------
@@ -396,3 +397,69 @@ def greedy_with_cache(model, cache, prompt_ids: list[int], new_tokens: int):
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     logits = model(ids, cache=cache, last_only=True)[:, -1]
     return greedy_continue(model, cache, logits, new_tokens, keep_logits=True)
+
+
+# -- 5. two caches' greedy tokens, held together under the near-tie rule --------------------
+
+LOGIT_ERROR_BOUND = 1e-3  # the stated bound on two caches' score difference (float32 paths)
+
+
+@dataclass(frozen=True)
+class PathComparison:
+    """A candidate path's greedy tokens held to a reference's (:mod:`labkit.util.near_tie`),
+    with the two paths' score error measured on the steps they computed from the same
+    context: up to and including the first divergence, never after it."""
+
+    agreement: GreedyAgreement
+    score_error: float  # largest |score difference| on the shared steps
+    bound: float        # the stated error bound; the tolerance is flip_tolerance(bound)
+
+    @property
+    def within_bound(self) -> bool:
+        return self.score_error <= self.bound
+
+    @property
+    def ok(self) -> bool:
+        """Tokens equal up to an excused near-tie, and scores within the stated bound."""
+        return self.agreement.ok and self.within_bound
+
+    def describe(self) -> str:
+        return (f"{self.agreement.describe()}; largest score difference on the shared steps "
+                f"{self.score_error:.2g} (bound {self.bound:g})")
+
+
+def _scores_of(step) -> dict[int, float] | torch.Tensor:
+    if isinstance(step, torch.Tensor):
+        return step.detach().float().reshape(-1)
+    return {int(t): float(v) for t, v in (step.items() if isinstance(step, dict) else step)}
+
+
+def shared_score_error(reference_scores, candidate_scores, steps: int) -> float:
+    """Largest |difference| between two paths' scores over their first `steps` steps, on
+    every token the candidate reports (all of them for a [vocab] tensor, its top-k for the
+    engine's `top_logprobs`). Both must be logits, or both log-probabilities."""
+    worst = 0.0
+    for ref, cand in zip(list(reference_scores)[:steps], list(candidate_scores)[:steps]):
+        ref, cand = _scores_of(ref), _scores_of(cand)
+        if isinstance(cand, torch.Tensor):
+            if not isinstance(ref, torch.Tensor):
+                raise ValueError("a full candidate row needs a full reference row")
+            worst = max(worst, float((ref - cand).abs().max()))
+        else:
+            for token, value in cand.items():
+                if isinstance(ref, torch.Tensor):
+                    worst = max(worst, abs(float(ref[token]) - value))
+                elif token in ref:
+                    worst = max(worst, abs(ref[token] - value))
+    return worst
+
+
+def compare_paths(reference_tokens, reference_scores, candidate_tokens, candidate_scores,
+                  bound: float = LOGIT_ERROR_BOUND) -> PathComparison:
+    """Hold a candidate's greedy tokens to a reference's: a divergence is excused where the
+    reference's gap between the two tokens is within ``flip_tolerance(bound)``, and the two
+    paths' scores must differ by at most ``bound`` on the steps they shared."""
+    agreement = greedy_agreement(reference_tokens, candidate_tokens, reference_scores,
+                                 flip_tolerance(bound))
+    return PathComparison(agreement, shared_score_error(reference_scores, candidate_scores,
+                                                        agreement.compared), bound)

@@ -327,6 +327,54 @@ def blocking_foil(engine, slow_prompt: list[int], other_prompts: list[list[int]]
     return FoilRun(queue_size, gaps, slow_tokens, sink.waited_s, sink.peak, wall)
 
 
+def policy_sentences(policies: dict, max_buffered: int, slow_tokens: int) -> dict[str, tuple[bool, str, str]]:
+    """Per slow-reader policy, (whether it acted, the sentence if it did, the sentence if not).
+
+    A policy acts only once the reader is `max_buffered` events behind, after the kernel and
+    the transport have taken what they hold. How soon that comes, if it comes before the
+    stream ends, depends on the machine: how fast its engine makes tokens against the reader's
+    pace, and how far its kernel lets a socket's buffers grow meanwhile. So whether each
+    policy acted is a fact of the run, written as the sentence for the outcome it had.
+    `policies` maps "abort", "coalesce", "unbounded" and "none" (the control) to
+    :class:`PolicyRun`."""
+    control = policies["none"].slow.text
+
+    def same(run) -> str:
+        return "the same" if run.slow.text == control else "not the same"
+
+    abort, coalesce, unbounded = (policies[p] for p in ("abort", "coalesce", "unbounded"))
+    out = {}
+    a = abort.slow
+    out["abort"] = (
+        a.errors == ["slow_reader"],
+        f"the slow stream was {a.kind} after {a.chunks:,} chunks: the {a.chunks - max_buffered:,} "
+        f"that had left the buffer and the {max_buffered} in it. The request was cancelled and its "
+        "KV blocks freed.",
+        f"the slow stream {a.kind} with {a.chunks:,} chunks: its reader never fell "
+        f"{max_buffered} events behind before the stream ended, so the policy never acted.")
+    c = coalesce.slow
+    out["coalesce"] = (
+        c.chunks < slow_tokens,
+        f"the stream {c.kind}, in {c.chunks:,} chunks instead of {slow_tokens:,}; the buffer never "
+        f"held more than {coalesce.peak_buffered} items (the {max_buffered} events, folded ever "
+        f"longer, and at the end the stream's end), and the text was {same(coalesce)} as the "
+        "control's.",
+        f"the stream {c.kind} in all {c.chunks:,} chunks, none folded: its buffer peaked at "
+        f"{coalesce.peak_buffered} items before the stream ended, so the policy never had to "
+        f"fold; the text was {same(coalesce)} as the control's.")
+    u = unbounded.slow
+    out["unbounded"] = (
+        unbounded.peak_buffered > max_buffered,
+        f"the stream {u.kind} with every chunk ({u.chunks:,}, text {same(unbounded)} as the "
+        f"control's), and the buffer grew to {unbounded.peak_buffered:,} events: everything "
+        "produced after the onset. A longer stream or a slower reader would have made it longer "
+        "without limit.",
+        f"the stream {u.kind} with every chunk ({u.chunks:,}, text {same(unbounded)} as the "
+        f"control's); its buffer peaked at {unbounded.peak_buffered:,} events, within the "
+        f"{max_buffered} a bounded buffer allows, because the stream ended first.")
+    return out
+
+
 def against(base: list[float], values: list[float], base_name: str = "the control's") -> str:
     """Timings `values` against `base` (token gaps against the control's, latencies against
     an idle server's), in words that claim no more than a bootstrap interval of the ratio of

@@ -317,6 +317,52 @@ def chapter_sweep(model, prompts: Mapping[str, Sequence[list[int]]], ngram_ks: S
     return records
 
 
+def verification_error(model, prompt_ids: list[int], tokens: Sequence[int],
+                       step_logits: Sequence[torch.Tensor], width: int) -> float:
+    """Largest |logit difference| between one pass over the first `width` greedy `tokens`
+    after the prompt (as a verification computes them: `width` rows in one call) and the
+    one-token steps that chose them (`step_logits[i]` chose `tokens[i]`). That is the
+    rounding difference between the two numerical paths speculation compares, measured."""
+    width = min(width, len(tokens) - 1)
+    if width < 1:
+        return 0.0
+    with torch.inference_mode():
+        cache = model.new_cache(1, len(prompt_ids) + width + 1)
+        model(torch.tensor([list(prompt_ids)]), cache=cache, last_only=True)
+        rows = model(torch.tensor([list(tokens[:width])]), cache=cache)[0].float()
+    return max(float((rows[i] - step_logits[i + 1].float()).abs().max()) for i in range(width))
+
+
+def plain_agreement(model, prompts: Mapping[str, Sequence[list[int]]], records: Sequence[dict[str, Any]],
+                    width: int, logit_error: float | None = None) -> tuple[Any, float]:
+    """Every record of :func:`speculation_sweep` (plain and speculative) against the one-token
+    greedy loop's tokens and logits for its prompt (`labkit.engine.loop.greedy_decode`),
+    under the near-tie rule (`labkit.experiments.path_agreement`): a verification computes
+    k + 1 rows in one call, a plain step one, so their logits may differ in the last bits,
+    and a divergence where the loop's two best tokens were that close is excused and
+    counted. Returns (the `AgreementSummary`, one sequence per record in order, and the
+    largest `verification_error` measured over the prompts with `width` rows)."""
+    from labkit.engine.loop import greedy_decode
+    from labkit.experiments import path_agreement as pa
+
+    references, measured = {}, 0.0
+    for text_type, items in prompts.items():
+        for index, ids in enumerate(items):
+            longest = max((len(r["token_ids"]) for r in records
+                           if r["text_type"] == text_type and r["prompt"] == index), default=0)
+            if longest == 0:
+                continue
+            run = greedy_decode(model, ids, longest, keep_logits=True)
+            references[text_type, index] = run
+            measured = max(measured, verification_error(model, ids, run.token_ids, run.logits, width))
+    refs = [references[r["text_type"], r["prompt"]] for r in records]
+    summary = pa.compare([ref.token_ids[:len(r["token_ids"])] for ref, r in zip(refs, records)],
+                         [r["token_ids"] for r in records],
+                         [ref.logits for ref in refs],
+                         logit_error=pa.LOGIT_ERROR if logit_error is None else logit_error)
+    return summary, measured
+
+
 def add_predictions(records: Iterable[dict[str, Any]], verify_cost: Mapping[int, float],
                     draft_cost: Mapping[str, float]) -> list[dict[str, Any]]:
     """Copy each speculative record with expected_tpv (E(alpha, k) from its measured acceptance

@@ -22,11 +22,14 @@ from labkit.engine.sequence import Sequence
 from labkit.sampling import SamplingParams
 
 
-def engine_block_trace(engine, prompt_ids: list[int], new_tokens: int):
+def engine_block_trace(engine, prompt_ids: list[int], new_tokens: int, logprobs: int | None = None):
     """Run one greedy request (EOS ignored) through `engine`, checking its block accounting
     after every step. Returns the request's output and one row per step: positions cached
-    and the blocks held in each group, before the request finishes and gives them back."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    and the blocks held in each group, before the request finishes and gives them back.
+    With `logprobs` the output's samples carry that many top log-probabilities per token
+    (to hold the engine's greedy tokens to another path's under the near-tie rule)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                            logprobs=logprobs)
     request_id = engine.add_request(prompt_ids, params)
     seq = engine.requests[request_id].seqs[0]
     rows = []

@@ -284,28 +284,62 @@ def preemption_trace(model, prompts: list, params, kv_tokens: int, block_size: i
 def contiguous_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens from a plain loop over the model's contiguous KVCache (one sequence,
     no EOS stop): the reference the paged engine must match."""
-    from labkit.engine.loop import greedy_decode
+    return contiguous_reference(model, prompt_ids, max_tokens)[0]
 
-    return greedy_decode(model, prompt_ids, max_tokens).token_ids
+
+def contiguous_reference(model, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list]:
+    """`contiguous_greedy`'s tokens and, for each, the log-probabilities [vocab] that chose it
+    (the reference's scores for the near-tie rule)."""
+    from labkit.engine.loop import greedy_decode
+    from labkit.experiments.path_agreement import log_probs
+
+    run = greedy_decode(model, prompt_ids, max_tokens, keep_logits=True)
+    return run.token_ids, log_probs(run.logits)
+
+
+def against_contiguous(model, prompts: list[list[int]], outputs: list, max_tokens: int,
+                       logit_error: float | None = None):
+    """Compare the engine's greedy `outputs` (asked with logprobs) for `prompts` with
+    `contiguous_reference` under the near-tie rule (`labkit.experiments.path_agreement`):
+    two numerical paths (paged kernels, batched rows, recomputation after preemption against
+    a one-sequence loop), so a divergence at a near-tie is excused and counted. Returns the
+    `AgreementSummary` (not checked: see `path_agreement.check`)."""
+    from labkit.experiments import path_agreement as pa
+
+    return _against(pa, [contiguous_reference(model, p, max_tokens) for p in prompts], outputs,
+                    logit_error)
+
+
+def _against(pa, refs: list, outputs: list, logit_error: float | None):
+    return pa.compare([t for t, _ in refs], [o.token_ids for o in outputs], [s for _, s in refs],
+                      [pa.engine_scores(o) for o in outputs],
+                      pa.LOGIT_ERROR if logit_error is None else logit_error)
 
 
 def paged_matches_contiguous(model, prompts: list[list[int]], max_tokens: int, kv_tokens: int = 4096,
-                             block_size: int = 16) -> list[dict]:
+                             block_size: int = 16, logit_error: float | None = None) -> list[dict]:
     """Generate greedily for all `prompts` in ONE batch of the paged engine and for each
-    prompt alone with `contiguous_greedy`; one row per prompt: whether the tokens agree
-    and the first position where they differ (None if none)."""
+    prompt alone with `contiguous_greedy`; one row per prompt: whether the tokens are equal
+    (`same`), the first position where they differ (None if none), and the near-tie rule's
+    verdict (`agree`: equal, or parted where the reference's gap was within the tolerance;
+    `excused`, the reference's `gap` there, the largest log-probability `error` between the
+    paths before it, and the `agreement` itself)."""
     from labkit.engine.llm_engine import EngineConfig, LLMEngine
+    from labkit.experiments import path_agreement as pa
     from labkit.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(block_size=block_size, kv_cache_tokens=kv_tokens))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     outs = engine.generate(prompts, params)
+    refs = [contiguous_reference(model, p, max_tokens) for p in prompts]
+    summary = _against(pa, refs, outs, logit_error)
     rows = []
-    for prompt, out in zip(prompts, outs):
-        ref = contiguous_greedy(model, prompt, max_tokens)
+    for prompt, out, (ref, _), agreement in zip(prompts, outs, refs, summary.sequences):
         first = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), None)
         rows.append({"prompt_tokens": len(prompt), "paged": out.token_ids, "contiguous": ref,
-                     "same": out.token_ids == ref, "first_difference": first})
+                     "same": out.token_ids == ref, "first_difference": first,
+                     "agree": agreement.ok, "excused": agreement.excused, "gap": agreement.margin,
+                     "error": agreement.max_score_error, "agreement": agreement})
     return rows
 
 
@@ -319,11 +353,12 @@ def scaled_chat_requests(count: int, reserve: int, seed: int = 0) -> list[Reques
 
 
 def engine_concurrency(model, prompts: list[list[int]], outputs: list[int], budget: int,
-                       reserve: int | None, block_size: int = 16) -> dict:
+                       reserve: int | None, block_size: int = 16, logprobs: int | None = None) -> dict:
     """Run all `prompts` (queued at once, greedy, exactly `outputs[i]` tokens each) through
     an `LLMEngine` with a KV pool of `budget` token slots, reserving `reserve` slots per
     sequence at admission (contiguous style) or none (paged, grow on demand). Records the
-    running and waiting sequences and the blocks used after every step."""
+    running and waiting sequences and the blocks used after every step. With `logprobs`,
+    `scores` holds each request's per-token `top_logprobs` (for the near-tie rule)."""
     from labkit.engine.llm_engine import EngineConfig, LLMEngine
     from labkit.engine.scheduler import SchedulerConfig
     from labkit.sampling import SamplingParams
@@ -331,7 +366,8 @@ def engine_concurrency(model, prompts: list[list[int]], outputs: list[int], budg
     sched = SchedulerConfig(max_num_seqs=256, max_batched_tokens=512, reserve_tokens=reserve)
     engine = LLMEngine(model, EngineConfig(block_size=block_size, kv_cache_tokens=budget,
                                            prefix_caching=False, scheduler=sched))
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True,
+                                                logprobs=logprobs))
            for p, o in zip(prompts, outputs)]
     running, waiting, used = [], [], []
     while engine.has_unfinished():
@@ -342,9 +378,12 @@ def engine_concurrency(model, prompts: list[list[int]], outputs: list[int], budg
         used.append(stats.blocks_used)
     engine.check_invariants()
     stats = engine.stats()
-    tokens = [engine.release(i).token_ids for i in ids]
+    released = [engine.release(i) for i in ids]
+    tokens = [r.token_ids for r in released]
+    scores = [list(r.samples[0].top_logprobs) for r in released] if logprobs is not None else None
     queued = [r for r, w in zip(running, waiting) if w > 0] or running
     return {"reserve": reserve, "budget": budget, "block_size": block_size, "steps": stats.steps,
             "running": running, "waiting": waiting, "blocks_used": used,
             "mean_running": statistics.fmean(queued), "max_running": max(running),
-            "preemptions": stats.preemptions, "tokens_computed": stats.tokens_computed, "tokens": tokens}
+            "preemptions": stats.preemptions, "tokens_computed": stats.tokens_computed, "tokens": tokens,
+            "scores": scores}
