@@ -54,6 +54,15 @@ def test_the_line_names_caches_isa_and_bandwidth():
     assert "none of AVX2" in machine.machine_line(None, None, {"caches": {}, "isa": []})
 
 
+def test_the_memory_read_buffer_is_four_caches_within_bounds():
+    MiB = 2**20
+    assert machine.memory_read_buffer_bytes(32 * MiB) == 256 * MiB     # a 32 MiB L3: the floor
+    assert machine.memory_read_buffer_bytes(100 * MiB) == 400 * MiB    # four times the cache
+    assert machine.memory_read_buffer_bytes(300 * MiB) == 2**30        # the ceiling
+    assert machine.memory_read_buffer_bytes(None) == 256 * MiB         # unknown: the floor
+    assert machine.memory_read_buffer_bytes(10**8 + 2) % 4 == 0        # whole float32s
+
+
 def test_the_memory_read_rate_is_measured_once_and_plausible():
     first = machine.memory_read_gb_s()
     assert 0.5 < first["gb_s"] < 2000 and first["buffer_mib"] >= 256

@@ -29,6 +29,7 @@ import torch
 
 from labkit.engine.contracts import LogitsModel, EngineModel, Loop, Sampler, TokenizerLike
 from labkit.sampling import SamplingParams, probabilities, sample
+from labkit.util.machine import memory_read_buffer_bytes
 from labkit.util.near_tie import GreedyAgreement, flip_tolerance, greedy_agreement
 
 __all__ = [
@@ -407,14 +408,12 @@ def thread_comparisons(one: dict[str, Any], two: dict[str, Any],
             for stage in stages}
 
 
-def memory_read_bytes(last_level_cache: int | None, *, floor: int = 256 * 2**20,
-                      ceiling: int = 2**30) -> int:
-    """The size of a buffer whose sum reads main memory rather than a cache: four times the
-    last-level cache, at least ``floor`` (also where the cache size is unknown) and at most
-    ``ceiling`` (a machine whose cache is larger than a quarter of it gets a buffer that the
-    cache may hold, and the chapter says so). A multiple of 4 bytes (float32)."""
-    size = floor if not last_level_cache else min(max(4 * int(last_level_cache), floor), ceiling)
-    return size - size % 4
+def memory_read_bytes(last_level_cache: int | None) -> int:
+    """The size of a buffer whose sum reads main memory rather than a cache (four times the
+    last-level cache, between 256 MiB and 1 GiB: a machine whose cache is larger than a
+    quarter of that gets a buffer the cache may hold, and the chapter says so); the same
+    buffer the machine line's memory read rate is measured on."""
+    return memory_read_buffer_bytes(last_level_cache)
 
 
 def memory_rate_verdict(step_gb_s: float, read_gb_s: float, *, close: float = 0.8) -> str:

@@ -109,6 +109,16 @@ def isa_flags() -> list[str]:
     return [flag for flag in ISA_NAMES if flag in flags]
 
 
+def memory_read_buffer_bytes(last_level_cache: int | None, *, floor: int = 256 * 2**20,
+                             ceiling: int = 2**30) -> int:
+    """The size of a buffer whose sum reads main memory rather than a cache: four times the
+    last-level cache, at least `floor` (also where the cache size is unknown) and at most
+    `ceiling` (a machine whose cache is larger than a quarter of it gets a buffer that the
+    cache may hold). A multiple of 4 bytes (float32)."""
+    size = floor if not last_level_cache else min(max(4 * int(last_level_cache), floor), ceiling)
+    return size - size % 4
+
+
 def memory_read_gb_s(repeats: int = 3) -> dict[str, Any]:
     """Measure, once per process, how fast this machine reads main memory: the best of
     `repeats` sums of a float32 buffer four times the last-level cache (between 256 MiB and
@@ -117,8 +127,7 @@ def memory_read_gb_s(repeats: int = 3) -> dict[str, Any]:
     if "memory_read" not in _state:
         import torch
 
-        llc = last_level_cache_bytes(32 * 2**20) or 32 * 2**20
-        nbytes = min(max(4 * llc, 256 * 2**20), 2**30)
+        nbytes = memory_read_buffer_bytes(last_level_cache_bytes())
         buffer = torch.ones(nbytes // 4)
         buffer.sum()  # first touch and warm-up
         best = float("inf")
@@ -169,4 +178,5 @@ def machine_line(cpu_model: str | None, usable_cores: int | None, record: dict[s
 
 
 __all__ = ["CACHE_SIZES_ENV", "ISA_NAMES", "cpu_caches", "isa_flags", "last_level_cache_bytes",
-           "machine_line", "machine_record", "memory_read_gb_s", "parse_size"]
+           "machine_line", "machine_record", "memory_read_buffer_bytes", "memory_read_gb_s",
+           "parse_size"]
