@@ -116,7 +116,7 @@ def test_stream_naive_loses_spaces_with_a_sentencepiece_decoder():
 
 def test_stop_string_across_tokens(model, greedy):
     tok = model.tokenizer
-    prompt_ids, tokens = greedy
+    prompt_ids, tokens, _ = greedy
     text = tok.decode(tokens)
     where = next(loc for i in range(1, len(text) - 4)
                  if (loc := locate_in_tokens(tok, tokens, text[i:i + 4]))
