@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from labkit.experiments.kv_heads import layer_positions
+from labkit.experiments.path_agreement import LOGIT_ERROR
 from labkit.models.llama import KVCache
 from labkit.models.window_cache import RollingKVCache, WindowedKVCache, windowed_attention
 from labkit.util.near_tie import GreedyAgreement, flip_tolerance, greedy_agreement
@@ -401,7 +402,8 @@ def greedy_with_cache(model, cache, prompt_ids: list[int], new_tokens: int):
 
 # -- 5. two caches' greedy tokens, held together under the near-tie rule --------------------
 
-LOGIT_ERROR_BOUND = 1e-3  # the stated bound on two caches' score difference (float32 paths)
+# the stated bound on two float32 paths' score difference: the book's one bound for them
+LOGIT_ERROR_BOUND = LOGIT_ERROR
 
 
 @dataclass(frozen=True)
