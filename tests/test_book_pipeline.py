@@ -328,6 +328,32 @@ def test_sync_install_cells_and_pair(tmp_path):
     assert runner.pair_in_sync(md)
 
 
+def test_sync_drops_the_outputs_of_an_edited_code_cell_only(tmp_path):
+    """An edited code cell must not keep the outputs its old text produced (they would be
+    shown, glued and checked as the new code's); unchanged cells keep theirs."""
+    import nbformat
+
+    root = make_book_copy(tmp_path)
+    md = root / "notebooks" / FIXTURE_MD.name
+    ipynb = runner.sync_pair(md)
+    notebook = nbformat.read(ipynb, as_version=4)
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    for number, cell in enumerate(code, start=1):
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"ran {number}\n")]
+        cell.execution_count = number
+    nbformat.write(notebook, ipynb)
+    edited = next(c for c in code if "total = sum(" in c.source)
+    md.write_text(md.read_text().replace("total = sum(i * i", "total = sum(i ** 2"))
+    runner.sync_pair(md)
+    synced = [c for c in nbformat.read(ipynb, as_version=4).cells if c.cell_type == "code"]
+    assert len(synced) == len(code) and runner.pair_in_sync(md)
+    for old, new in zip(code, synced):
+        if old is edited:
+            assert "i ** 2" in new.source and new.outputs == [] and new.execution_count is None
+        else:
+            assert new.source == old.source and new.outputs == old.outputs
+
+
 def test_the_sync_command_carries_edited_cells_into_the_notebook(tmp_path, monkeypatch):
     """`labkit book sync` after editing a chapter's .md: its .ipynb has the edited cells
     (it used to rewrite only the install cells and leave an edited chapter out of step)."""

@@ -250,11 +250,16 @@ def strip_execution_metadata(nb):
 
 
 def sync_pair(md_path: str | Path) -> Path:
-    """Make ``chNN.ipynb`` carry exactly the cells of ``chNN.md``, keeping its outputs
-    (matched by content, as jupytext does). Creates the ``.ipynb`` if it is missing.
-    The ``.md`` is never rewritten. Returns the ``.ipynb`` path."""
+    """Make ``chNN.ipynb`` carry exactly the cells of ``chNN.md``, keeping the outputs of
+    the code cells whose text is unchanged. Creates the ``.ipynb`` if it is missing.
+    The ``.md`` is never rewritten. Returns the ``.ipynb`` path.
+
+    A code cell edited in the ``.md`` loses its stored outputs (and any value it glued):
+    jupytext pairs an edited cell with its old outputs, which would then be shown, glued
+    and checked by nbval as if the new code had produced them. Until the chapter is run
+    again, the strict book build reports the missing glue instead."""
     import jupytext
-    from jupytext.combine import combine_inputs_with_outputs
+    from jupytext.combine import combine_inputs_with_outputs, map_outputs_to_inputs
 
     md_path = Path(md_path)
     ipynb_path = md_path.with_suffix(".ipynb")
@@ -262,11 +267,15 @@ def sync_pair(md_path: str | Path) -> Path:
     source = read_source(md_path)
     if ipynb_path.is_file():
         outputs = strip_execution_metadata(read_notebook(ipynb_path))
+        paired = map_outputs_to_inputs(source.cells, outputs.cells)
         notebook = combine_inputs_with_outputs(source, outputs, fmt=MD_FORMAT)
         # The .md is the source of cell metadata too (tags, figure captions): jupytext's
         # combine can keep the .ipynb's stale copy, so take every cell's metadata from the .md.
-        for cell, src in zip(notebook.cells, source.cells):
+        for cell, src, index in zip(notebook.cells, source.cells, paired):
             cell.metadata = type(src.metadata)(src.metadata)
+            if (cell.cell_type == "code" and index is not None
+                    and outputs.cells[index].source != src.source):
+                cell.outputs, cell.execution_count = [], None
     else:
         notebook = source
     notebook.metadata.get("jupytext", {}).pop("text_representation", None)
