@@ -283,42 +283,128 @@ def test_live_experiment_on_two_policies_and_a_give_up():
     assert [r["policy"] for r in rows] == ["unbounded", "admit-by-estimate"]
 
 
-def test_order_across_rounds_keeps_only_what_every_round_agrees_on():
+def fake_run(policy, in_time):
     from types import SimpleNamespace
+    return SimpleNamespace(policy=policy, counts=lambda: {"in_time": in_time})
 
-    def run(policy, in_time):
-        return SimpleNamespace(policy=policy, counts=lambda: {"in_time": in_time})
 
-    rounds = [[run("unbounded", 12), run("bounded", 25), run("drop-expired", 115)],
-              [run("unbounded", 17), run("bounded", 16), run("drop-expired", 106)]]
+def four_rounds(*counts):
+    """Rounds of the four policies, in `sim.POLICIES` order, answering `counts` in time."""
+    return [[fake_run(p, c) for p, c in zip(sim.POLICIES, row)] for row in counts]
+
+
+def test_order_across_rounds_keeps_only_what_every_round_agrees_on():
+    rounds = [[fake_run("unbounded", 12), fake_run("bounded", 25), fake_run("drop-expired", 115)],
+              [fake_run("unbounded", 17), fake_run("bounded", 16), fake_run("drop-expired", 106)]]
     got = ar.order_across_rounds(rounds)
     assert got["in_time"] == {"unbounded": [12, 17], "bounded": [25, 16], "drop-expired": [115, 106]}
+    assert got["spread"] == {"unbounded": 5, "bounded": 9, "drop-expired": 9}
     assert set(got["agreed"]) == {("drop-expired", "unbounded"), ("drop-expired", "bounded")}
     assert got["disputed"] == [("unbounded", "bounded")]
-    tied = ar.order_across_rounds([[run("a", 3), run("b", 3)], [run("a", 4), run("b", 2)]])
+    tied = ar.order_across_rounds([[fake_run("a", 3), fake_run("b", 3)],
+                                   [fake_run("a", 4), fake_run("b", 2)]])
     assert tied["disputed"] == [("a", "b")] and tied["agreed"] == []
 
 
-def test_rounds_phrase_names_only_the_disputed_pairs():
-    one = {"in_time": {"a": [3], "b": [4]}, "agreed": [("b", "a")], "disputed": []}
+def test_a_pair_every_round_agrees_on_is_not_ordered_within_the_round_to_round_spread():
+    # chapter 26's full run: both rounds put bounded above unbounded (13 > 11, 8 > 7) and
+    # admit above drop (114 > 105, 115 > 110), but unbounded moved by 4, bounded by 5 and drop
+    # by 5 between rounds with nothing changed: those differences are the machine's
+    order = ar.order_across_rounds(four_rounds((11, 13, 105, 114), (7, 8, 110, 115)))
+    assert order["disputed"] == [("unbounded", "bounded"), ("drop-expired", "admit-by-estimate")]
+    assert ar.ranked(order, "drop-expired", "unbounded") == 1
+    assert ar.ranked(order, "unbounded", "drop-expired") == -1
+    assert ar.ranked(order, "bounded", "unbounded") == 0
+    # one more in time for admit in round 2 and the margin (6) passes drop's spread (5)
+    wider = ar.order_across_rounds(four_rounds((11, 13, 105, 114), (7, 8, 110, 116)))
+    assert ("admit-by-estimate", "drop-expired") in wider["agreed"]
+
+
+def test_rounds_phrase_claims_only_the_ordered_pairs():
+    one = ar.order_across_rounds(four_rounds((3, 4, 5, 6)))
     assert ar.rounds_phrase(one).startswith("With one round")
-    same = {"in_time": {"a": [3, 2], "b": [4, 5]}, "agreed": [("b", "a")], "disputed": []}
-    assert ar.rounds_phrase(same) == "All 2 rounds put the policies in the same order."
-    split = {"in_time": {"a": [3, 5], "b": [4, 4], "c": [9, 9]},
-             "agreed": [("c", "a"), ("c", "b")], "disputed": [("a", "b")]}
-    assert "agreed on 2 of the 3 pairs" in ar.rounds_phrase(split)
-    assert "a against b" in ar.rounds_phrase(split)
+    same = ar.order_across_rounds(four_rounds((10, 30, 100, 130), (12, 28, 101, 131)))
+    assert ar.rounds_phrase(same).startswith("Both rounds put the policies in the same order")
+    split = ar.rounds_phrase(ar.order_across_rounds(four_rounds((11, 13, 105, 114),
+                                                                (7, 8, 110, 115))))
+    assert split.startswith("The two rounds order 4 of the 6 pairs")
+    assert "cannot order unbounded against bounded and drop-expired against admit" in split
+    assert "unbounded by 4, bounded by 5" in split
+    none = ar.order_across_rounds(four_rounds((10, 11, 12, 13), (14, 13, 12, 11)))
+    assert ar.rounds_phrase(none).startswith("The two rounds cannot order any pair")
 
 
-def test_source_order_phrase_reads_every_round():
-    from types import SimpleNamespace
+def test_source_order_phrase_claims_the_sources_order_only_beyond_the_spread():
+    assert ar.source_order_phrase(ar.order_across_rounds(four_rounds((12, 25, 115, 137)))) == (
+        "The order of the four is the source's in this one round")
+    rising = ar.order_across_rounds(four_rounds((10, 30, 100, 130), (12, 28, 101, 131)))
+    assert ar.source_order_phrase(rising).startswith(
+        "The order of the four is the source's in both rounds")
+    chance = ar.order_across_rounds(four_rounds((11, 13, 105, 114), (7, 8, 110, 115)))
+    assert ar.source_order_phrase(chance) == (
+        "The two rounds bear out only part of the source's order: they cannot order unbounded "
+        "against bounded and drop-expired against admit-by-estimate")
+    reversed_ = ar.order_across_rounds(four_rounds((12, 10, 124, 114), (12, 10, 106, 123)))
+    assert ar.source_order_phrase(reversed_).endswith(
+        "they put unbounded above bounded, against the source")
+    falling = ar.order_across_rounds(four_rounds((130, 100, 30, 10)))
+    assert ar.source_order_phrase(falling).startswith(
+        "This one round does not bear out the source's order: it puts unbounded above bounded")
 
-    def runs(*counts):
-        return [SimpleNamespace(counts=lambda c=c: {"in_time": c}) for c in counts]
 
-    rising, falling = runs(12, 25, 115, 137), runs(17, 16, 106, 127)
-    assert ar.source_order_phrase([rising]) == "The order of the four is the source's"
-    assert ar.source_order_phrase([rising, rising]).endswith("in every round")
-    assert ar.source_order_phrase([falling]) == "The order of the four differs from the source's"
-    assert ar.source_order_phrase([falling, rising]) == (
-        "The order of the four is the source's in round 2 but not in the others")
+def test_unbounded_rank_phrase_says_fewest_only_beyond_the_spread():
+    clear = ar.order_across_rounds(four_rounds((10, 30, 100, 130), (12, 28, 101, 131)))
+    assert ar.unbounded_rank_phrase(clear).startswith("the fewest of the four in both rounds")
+    chance = ar.order_across_rounds(four_rounds((11, 13, 105, 114), (7, 8, 110, 115)))
+    assert ar.unbounded_rank_phrase(chance) == (
+        "fewer than drop-expired and admit-by-estimate, but the rounds cannot order it against "
+        "bounded (bounded 13 and 8, against its own 11 and 7: apart by no more than the counts "
+        "moved between rounds)")
+    above = ar.order_across_rounds(four_rounds((12, 10, 124, 114), (12, 10, 106, 123)))
+    assert ar.unbounded_rank_phrase(above) == (
+        "fewer than drop-expired and admit-by-estimate and more than bounded")
+    assert "fewest" not in ar.unbounded_rank_phrase(
+        ar.order_across_rounds(four_rounds((10, 11, 12, 13), (14, 13, 12, 11))))
+
+
+def test_stale_verdict_calls_a_difference_within_the_spread_neither_fewer_nor_more():
+    assert ar.stale_verdict_phrase(113, [114, 115]).startswith("a difference no larger")
+    assert ar.stale_verdict_phrase(100, [114, 115]).startswith("14 fewer, a difference larger")
+    assert ar.stale_verdict_phrase(120, [114, 115]).startswith("6 more")
+    assert ar.stale_verdict_phrase(114, [114]) == "as many"
+    assert "one round" in ar.stale_verdict_phrase(113, [114])
+
+
+def test_engine_idle_time_adds_up_every_gap_and_sees_what_a_median_cannot():
+    reqs = sim.make_requests(np.linspace(0, 1, 23), [0.3] * 23, 100.0)
+    truth = sim.simulate(reqs, sim.Unbounded())  # back to back from the second request on
+    recs = records_from(truth, gap=0.02)
+    whole = ar.LiveRun("unbounded", "u", ar.Workload(23, 1.0, 100.0, 5), recs, 8.0, 60.0)
+    assert ar.engine_idle_s(whole) == pytest.approx(22 * 0.02, abs=1e-9)
+    # three of them ran on the engine and were then dropped (an error answer: no
+    # Server-Timing): their engine time lands in the gaps around them, which the median of
+    # the gaps does not see and their total does
+    cut = [record(r.request, r.sent_s, 503, 1.0, "deadline_expired") if r.request in (5, 10, 15)
+           else r for r in recs]
+    dropped = ar.LiveRun("drop-expired", "d", ar.Workload(23, 1.0, 100.0, 5), cut, 8.0, 60.0)
+    assert ar.engine_gap_s(dropped) == pytest.approx(0.02, abs=1e-9)
+    assert ar.engine_idle_s(dropped) == pytest.approx(19 * 0.02 + 3 * 0.3, abs=1e-9)
+
+
+def test_waste_phrase_calls_a_cost_only_above_one_requests_engine_time():
+    idle = {"unbounded": 0.05, "bounded": 0.06, "drop-expired": 2.5, "admit-by-estimate": 0.04}
+    text = ar.waste_phrase(idle, 0.35)
+    assert "2.50 s over the run, against at most 0.06 s" in text
+    assert text.endswith("2.44 s more, the engine time of about 7 requests")
+    small = ar.waste_phrase(idle | {"drop-expired": 0.2}, 0.35)
+    assert small.endswith("less than one request's engine time more, so in this run it cost little")
+
+
+def test_stale_plot_ticks_cover_the_sweep_and_name_each_panel_above_it():
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2)
+    ar.plot_stale(axes, ar.stale_sweep([0.5, 1.0, 4.0], seeds=(0,)))
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["0.5", "0.7", "1", "1.4", "2", "4"]
+    assert axes[0].get_title() == "admit-by-estimate" and not axes[0].texts
+    plt.close(fig)

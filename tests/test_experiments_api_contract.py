@@ -149,6 +149,65 @@ def test_parse_server_timing_keeps_order_and_values():
         ac.parse_server_timing("read;desc=x")
 
 
+def test_stage_sample_names_every_clamped_span():
+    sample, clamped = ac.stage_sample("read;dur=0.100, to-engine;dur=0.000, decode;dur=5.000", 6.0)
+    assert sample["other"] == pytest.approx(0.9) and sample["wall"] == 6.0
+    assert clamped == ("to-engine",)                          # the service wrote a negative span as 0
+    sample, clamped = ac.stage_sample("read;dur=0.100, submit;dur=3.000, decode;dur=5.000", 6.0)
+    assert sample["other"] == 0.0 and clamped == ("other",)   # stages longer than the wall time
+    assert ac.stage_sample("read;dur=0.100, decode;dur=5.000", 6.0)[1] == ()
+    profile = ac.StageProfile(16, 4, clamped=[(), ("other",), (), ("to-engine", "other")])
+    assert profile.clamped_repeats == 2
+
+
+def test_prefill_trend_fits_every_long_prompt_not_two_ends():
+    # a cost of 0.5 ms per token plus attention's 1e-3 ms per token pair: per token it rises
+    tokens = [30, 250, 500, 1000, 2000, 2600]
+    prefill = [60 + 0.5 * t + 1e-3 * t * t for t in tokens[:-1]] + [float("nan")]  # 2,600: refused
+    trend = ac.prefill_trend(tokens, prefill)
+    assert (trend.points, trend.first_tokens, trend.last_tokens) == (4, 250, 2000)  # 30 and NaN left out
+    assert trend.direction == "rose" and trend.growth > 1.2
+    assert trend.first_ms == pytest.approx(0.5 + 0.25 + 60 / 250, rel=0.1)  # a line, not the curve
+    # the two ends alone (30 and 2,000 tokens) cost the same per token: the fixed 60 ms spread
+    # over 30 tokens hides the rise that the line over the long prompts shows
+    assert prefill[0] / 30 == pytest.approx(prefill[4] / 2000, rel=0.01)
+    flat = ac.prefill_trend([300, 600, 1200], [2.0 * t for t in (300, 600, 1200)])
+    assert flat.direction == "flat" and flat.growth == pytest.approx(1.0)
+    fell = ac.prefill_trend([300, 600, 1200], [600 + t for t in (300, 600, 1200)])
+    assert fell.direction == "fell"                          # a fixed cost spread over more tokens
+    with pytest.raises(ValueError):
+        ac.prefill_trend([30, 300, 300], [50.0, 600.0, 610.0])  # one length at or over 250
+
+
+def test_labkit_policy_names_requests_of_the_catalogue(catalogue):
+    assert set(ac.LABKIT_POLICY) <= set(catalogue)
+    assert all(catalogue[name].expect[0].status >= 400 for name in ac.LABKIT_POLICY)
+
+
+def test_plots_leave_out_empty_kinds_and_draw_stages_as_points():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    counts = {c: 0 for c in ac.CATEGORIES}
+    fig, ax = plt.subplots()
+    ac.plot_categories(ax, {"a": counts | {"500": 2}, "b": counts | {"200, correct": 1}})
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["200, correct", "500"]                 # kinds nobody gave are not drawn
+    plt.close(fig)
+    stages = pd.DataFrame([{"prompt (tokens)": 16, "stage": s, "median (ms)": m, "min (ms)": lo,
+                            "max (ms)": hi} for s, m, lo, hi in
+                           [("parse", 0.05, 0.04, 1.3), ("to-engine", 0.4, 0.0, 0.9),
+                            ("wall", 10.0, 9.0, 11.0)]])
+    fig, ax = plt.subplots()
+    ac.plot_stages(ax, stages)
+    assert not ax.patches and ax.get_xscale() == "log"        # points, no bars on a log axis
+    assert ax.get_xlim()[0] <= ac.STAGE_FLOOR_MS               # the clamped zero is on the axis
+    plt.close(fig)
+
+
 def test_detokenize_timing_feeds_every_token(model):
     ids = model.tokenizer.encode("Les modèles prédisent 東京 🙂 the next word.")
     timing = ac.detokenize_timing(model.tokenizer, ids, repeats=3, warmup=0)

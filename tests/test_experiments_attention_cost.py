@@ -172,3 +172,42 @@ def test_formula_table():
     table = formula_table([MHA12, SMOLLM2], [16384], [torch.float16, torch.float32])
     assert table.columns.tolist() == ["shape", "length", "float16", "float32"]
     assert table["float16"].tolist() == [6.0, 4.5] and table["float32"].tolist() == [12.0, 9.0]
+
+
+def test_largest_complete_length_skips_a_length_with_a_skipped_run():
+    import pandas as pd
+
+    from labkit.experiments.attention_cost import largest_complete_length
+
+    df = pd.DataFrame({"length": [256, 256, 512, 512, 1024, 1024],
+                       "impl": ["naive", "sdpa"] * 3,
+                       "skipped": [None, None, None, None, "needs about 6.6 GiB", None]})
+    assert largest_complete_length(df) == 512  # naive skipped at 1,024: not a complete length
+    df["skipped"] = None
+    assert largest_complete_length(df) == 1024
+    df["skipped"] = "no memory"
+    with pytest.raises(ValueError):
+        largest_complete_length(df)
+
+
+def test_rate_fall_finds_where_the_rate_reached_its_large_size_level():
+    from labkit.experiments.attention_cost import rate_fall
+
+    sizes = [1.5, 3, 96, 192, 384, 768]  # MiB; the shape of chapter 8's decode sweep
+    rates = [37.8, 26.8, 24.6, 12.2, 11.9, 11.9]
+    assert rate_fall(sizes, rates) == 192  # 12.2 is within 15% of 11.9, 24.6 is not
+    assert rate_fall(list(reversed(sizes)), list(reversed(rates))) == 192  # order-free
+    assert rate_fall(sizes, rates, within=0.01) == 384
+    assert rate_fall(sizes, [12.0] * 6) == 1.5  # no fall: the smallest size
+    assert rate_fall(sizes, [12, 30, 12, 12, 12, 12]) == 96  # a bump in between ends it
+
+
+def test_closer_phrase_names_only_a_consistent_winner():
+    from labkit.experiments.attention_cost import closer_phrase
+
+    assert closer_phrase([1.58, 1.49, 1.77]) == "SDPA was closer in every row, by 1.5 to 1.8 times"
+    assert closer_phrase([0.5, 0.6]) == ("naive attention was closer in every row, by 1.7 to "
+                                         "2.0 times")
+    mixed = closer_phrase([0.94, 1.12, 1.05])
+    assert mixed.startswith("neither was closer") and "0.94 to 1.12" in mixed
+    assert closer_phrase([1.3, 1.1]).startswith("neither")  # one row within the margin

@@ -127,6 +127,32 @@ def test_ttft_verdict_refuses_too_few_requests():
     assert ttft_verdict([0.1, 0.11, 0.12], [0.3, 0.31, 0.32]).startswith("lower")
 
 
+def test_a_small_group_is_compared_request_by_request_without_an_interval():
+    from labkit.experiments.batching import MIN_INTERVAL_REQUESTS, paired_verdict, ttft_verdict
+
+    slow, fast = [0.4, 0.9, 1.2, 2.0], [0.2, 0.3, 0.6, 0.5]
+    small = ttft_verdict(slow, fast)
+    # 4 requests: each one's ratio, no bootstrap "95% interval" of a median of 4
+    assert small == paired_verdict(slow, fast) and "interval" not in small
+    assert small.startswith("higher for each of the 4 requests")
+    assert "2.00-4.00 times" in small                      # ratios 2, 3, 2, 4
+    assert paired_verdict(fast, slow).startswith("lower for each of the 4 requests")
+    assert "2.00-4.00 times" in paired_verdict(fast, slow)
+    # one request going the other way: no direction is claimed
+    mixed = paired_verdict([0.4, 0.9, 1.2, 0.4], fast)
+    assert mixed.startswith("higher for some of the 4 requests and not for others")
+    # the pairing is by position: the same values in another order are another verdict
+    assert paired_verdict([0.4, 0.9, 1.2, 2.0], [0.5, 0.3, 0.6, 0.2]).startswith("higher for some")
+    with pytest.raises(ValueError):
+        paired_verdict([0.1, 0.2, 0.3], [0.1, 0.2])
+    # small groups of different sizes cannot be paired
+    assert ttft_verdict([0.1, 0.2, 0.3], [0.2, 0.3, 0.4, 0.5]).startswith("not compared (3 and 4")
+    # from MIN_INTERVAL_REQUESTS on, the bootstrap interval of the medians
+    n = MIN_INTERVAL_REQUESTS
+    large = ttft_verdict([0.1 + 0.001 * i for i in range(n)], [0.3 + 0.001 * i for i in range(n)])
+    assert large.startswith("lower (") and "95% interval" in large
+
+
 def test_group_ttfts_keeps_request_order_and_group():
     from types import SimpleNamespace
 

@@ -210,3 +210,21 @@ def test_llama_decode_bytes():
     # SmolLM2 at position 512 in float32: 538 MB of weights, 23.6 MB of keys and values
     smol = comp.llama_decode_bytes(SMOLLM2, 512)
     assert round(smol["weights"] / 1e6) == 538 and round(smol["kv_cache"] / 1e5) == 236
+
+
+def test_share_follows_names_a_prediction_only_when_the_whole_range_is_near_it():
+    predicted = {"bytes": 0.042, "FLOPs": 0.118}  # chapter 4's decode attention, 512 positions
+    # gap 0.076, a third of it 0.0253: FLOPs' zone is 0.0927-0.1433, bytes' 0.0167-0.0673
+    assert comp.share_follows(0.10, 0.12, predicted) == "FLOPs"
+    assert comp.share_follows(0.04, 0.05, predicted) == "bytes"
+    # the chapter's run: 8.4% lies in the middle third, nearer FLOPs by less than a point
+    assert comp.share_follows(0.082, 0.087, predicted) is None
+    # a range that reaches from one zone into the middle cannot name either
+    assert comp.share_follows(0.088, 0.10, predicted) is None
+    assert comp.share_follows(0.20, 0.25, predicted) == "above"
+    assert comp.share_follows(0.001, 0.010, predicted) == "below"
+    # the order of the dict does not matter, and equal predictions cannot be told apart
+    assert comp.share_follows(0.10, 0.12, {"FLOPs": 0.118, "bytes": 0.042}) == "FLOPs"
+    assert comp.share_follows(0.10, 0.12, {"a": 0.1, "b": 0.1}) is None
+    with pytest.raises(ValueError):
+        comp.share_follows(0.2, 0.1, predicted)

@@ -115,3 +115,86 @@ def test_agreement_fails_a_divergence_no_rounding_explains():
     summary = dx.agreement([_run([1, 2], ref_logits)], ref)  # a gap of 1 logit
     assert not summary.ok and summary.failed == 1
     assert "diverged beyond" in dx.agreement_sentence(summary, 2)
+
+
+def test_measured_cost_reads_the_medians_and_interpolates_between_them():
+    cost = dx.measured_cost([2304, 8, 512], [1.0e-3, 7e-5, 2.0e-4])  # any order
+    assert cost.nbytes == (8.0, 512.0, 2304.0)
+    assert cost(2304) == 1.0e-3 and cost(8) == 7e-5  # a measured size: its median, exactly
+    assert cost(1408) == pytest.approx(2.0e-4 + 0.5 * (1.0e-3 - 2.0e-4))  # halfway
+    with pytest.raises(ValueError):
+        cost(4)  # no extrapolation below the smallest size ...
+    with pytest.raises(ValueError):
+        cost(4096)  # ... or above the largest
+    with pytest.raises(ValueError):
+        dx.measured_cost([64, 64], [1e-4, 1.1e-4])
+
+
+def test_measured_cost_does_not_miss_points_a_relative_fit_misses():
+    # flat medians with one cheap small message, as gloo's all-reduce on shared cores gave:
+    # the relative-error fit follows the cheap point and sits far below the others
+    sizes = [8, 64, 512, 2304, 8192, 2_097_152]
+    seconds = [74e-6, 970e-6, 180e-6, 1046e-6, 1166e-6, 2471e-6]
+    fit = dx.fit_linear_cost(sizes, seconds)
+    assert fit(2304) < 0.5 * 1046e-6
+    assert dx.measured_cost(sizes, seconds)(2304) == 1046e-6
+
+
+def test_bytes_share_prices_bytes_by_the_rise_to_the_largest_message():
+    cost = dx.measured_cost([8, 1000, 101_000], [1e-3, 1e-3, 2e-3])
+    # 1e-3 s per 100,000 bytes: 1,000 bytes cost 1e-5 s of a 1e-3 s call
+    assert cost.bytes_share(1000) == pytest.approx(0.01)
+    flat = dx.measured_cost([8, 1000, 101_000], [1e-3, 2e-3, 1.5e-3])  # falls: no byte cost
+    assert flat.bytes_share(1000) == 0.0
+    with pytest.raises(ValueError):
+        cost.bytes_share(101_000)
+
+
+def test_measured_comm_groups_by_op_and_processes():
+    samples = [dx.CommSample("all_reduce", 2, 8, [1e-4, 3e-4, 2e-4]),
+               dx.CommSample("all_reduce", 2, 64, [5e-4]),
+               dx.CommSample("ring_hop", 2, 8, [2e-5]), dx.CommSample("ring_hop", 2, 64, [3e-5])]
+    costs = dx.measured_comm(samples)
+    assert set(costs) == {("all_reduce", 2), ("ring_hop", 2)}
+    assert costs[("all_reduce", 2)](8) == pytest.approx(2e-4)  # the median of the samples
+    assert costs[("ring_hop", 2)](64) == pytest.approx(3e-5)
+
+
+def test_ring_all_reduce_is_two_n_minus_one_hops_of_a_nth_of_the_message():
+    hop = dx.LinearCost(20e-6, 1e9)
+    ring = dx.RingAllReduce(hop, 3)
+    assert ring(2304) == pytest.approx(4 * (20e-6 + 768 / 1e9))
+    assert dx.RingAllReduce(hop, 1)(2304) == 0.0
+
+
+def test_band_verdict_counts_a_ratio_inside_the_band_as_the_same():
+    assert dx.band_verdict(1.0) == "within" and dx.band_verdict(1.4) == "within"
+    assert dx.band_verdict(0.7) == "within"  # 1 / 1.5 = 0.67
+    assert dx.band_verdict(1.6) == "above" and dx.band_verdict(0.6) == "below"
+    assert dx.band_verdict(1.9, factor=2.0) == "within"
+    with pytest.raises(ValueError):
+        dx.band_verdict(1.0, factor=1.0)
+
+
+def _timing(mode, procs):
+    return {"mode": mode, "processes": procs, "median_ms": 50.0, "comm_ms_per_token": 1.0}
+
+
+def test_cost_rows_price_a_machine_per_rank_by_the_own_hop_not_the_shared_all_reduce():
+    shared_ar = dx.LinearCost(2e-3, 1e9)   # an all-reduce measured on shared cores: slow
+    own_hop = dx.LinearCost(20e-6, 1e9)    # a hop between processes with a core each
+    fits = {("all_reduce", 3): shared_ar, ("ring_hop", 3): dx.LinearCost(40e-6, 1e9)}
+    timing = [_timing("tensor", 3), _timing("pipeline", 3)]
+    rows = dx.cost_rows(timing, PROFILE, fits, LAYERS, HIDDEN, cores=2, own_hop=own_hop)
+    tp, pp = rows
+    assert tp["model_comm_ms"] == pytest.approx(1e3 * 2 * LAYERS * shared_ar(HIDDEN * 4))
+    ring = dx.RingAllReduce(own_hop, 3)(HIDDEN * 4)
+    assert tp["model_own_comm_ms"] == pytest.approx(1e3 * 2 * LAYERS * ring)
+    own_compute = (0.030 - 0.006) / 3 + 0.006
+    assert tp["model_own_cores_ms"] == pytest.approx(1e3 * (own_compute + 2 * LAYERS * ring))
+    assert pp["model_own_comm_ms"] == pytest.approx(
+        1e3 * (2 * own_hop(HIDDEN * 4) + own_hop(dx.TOKEN_BYTES)))
+    # without a hop measured on a core of its own, a machine per rank is not priced
+    unpriced = dx.cost_rows(timing + [_timing("tensor", 1)], PROFILE, fits, LAYERS, HIDDEN)
+    assert all(math.isnan(r["model_own_cores_ms"]) for r in unpriced[:2])
+    assert unpriced[2]["model_own_cores_ms"] == pytest.approx(30.0)  # one process: no comm

@@ -8,15 +8,18 @@ this process for the fresh probe, and the service's counters for what the client
 from __future__ import annotations
 
 import asyncio
+import warnings
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import tied_reference_run
+from conftest import SMOL_LOGIT_ERROR, NearTieExcused, tied_reference_run
 from labkit.experiments import fault_client as fc
 from labkit.experiments import fault_policies as fp
 from labkit.experiments import faults as fx
+from labkit.experiments import text_agreement as ta
+from labkit.util.near_tie import flip_tolerance, top_two_margins
 
 # -- pure helpers ------------------------------------------------------------------------------
 
@@ -136,8 +139,11 @@ def test_run_async_works_inside_a_running_loop():
 # -- the scenarios, against one live service ------------------------------------------------------
 
 SLOTS = 4
+# float32 weights, as chapter 30 runs: the near-tie rule holds the served texts to the float32
+# model's simple loop in this process, two float32 paths whose logit error SMOL_LOGIT_ERROR bounds
 SERVE = ["--kv-cache-tokens", "512", "--max-num-seqs", str(SLOTS), "--threads", "1",
-         "--queue-policy", "drop-expired", "--max-queue", "32"]
+         "--queue-policy", "drop-expired", "--max-queue", "32", "--weights", "f32"]
+TOLERANCE = flip_tolerance(SMOL_LOGIT_ERROR)   # 2 x the stated logit error
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +152,19 @@ def service():
         yield live
 
 
+def _margin(model, prompt, tokens) -> float:
+    """The narrowest top-two logit gap of `prompt`'s greedy run by the simple loop."""
+    return min(top_two_margins(ta.reference_runs(model, [prompt], tokens)[0].logits))
+
+
 @pytest.fixture(scope="module")
 def probe(model):
-    return fx.reference_probe(model)
+    probe = fx.reference_probe(model)
+    # after_scenario asks the service for exactly the loop's text: right only where no step of
+    # it is a near tie that another numerical path (the service's batch, kernels) could flip
+    margin = _margin(model, model.tokenizer.encode(probe.prompt), probe.max_tokens)
+    assert margin > TOLERANCE, f"the probe's answer has a near tie ({margin:.2g} logits)"
+    return probe
 
 
 @pytest.fixture(scope="module")
@@ -162,18 +178,34 @@ def _holds(record: fx.Scenario, url: str, probe: fx.Probe) -> fx.Scenario:
     return record
 
 
+def _near_tie_rule(record: fx.Scenario, check: str, model, prompts: dict, tokens: int) -> None:
+    """`check` (answers equal their solo runs) judged by the near-tie rule: the answers went
+    through another numerical path (batched rows, a prefill recomputed after a preemption)
+    than their solo runs, so a divergence is excused where the simple loop's top two logits
+    were within TOLERANCE; an excused one is counted and warned, never hidden."""
+    summary = fx.judge_near_ties(record, check, model, prompts, tokens, TOLERANCE)
+    assert record.checks[check], (summary.describe(), record.rows())
+    if record.counters["near_tie_excused"]:
+        warnings.warn(f"{record.name}: {summary.describe()}", NearTieExcused, stacklevel=2)
+
+
 @pytest.mark.slow
-def test_kv_exhaustion_preempts_and_keeps_every_token(service, probe, pool):
+def test_kv_exhaustion_preempts_and_keeps_every_token(service, probe, pool, model):
     record = _holds(fx.kv_exhaustion(service.url, pool[0:4], 104), service.url, probe)
     assert record.counters["demand_blocks"] > record.counters["pool_blocks"]
     assert record.counters["preemptions"] > 0
-    assert all(o.status == 200 and o.text == o.expected for o in record.outcomes), record.rows()
+    assert all(o.status == 200 for o in record.outcomes), record.rows()
+    _near_tie_rule(record, "every answer equals its solo run", model,
+                   {o.label: p for o, p in zip(record.outcomes, pool[0:4])}, 104)
 
 
 @pytest.mark.slow
-def test_malformed_requests_get_their_error_and_leave_good_ones_alone(service, probe, pool):
+def test_malformed_requests_get_their_error_and_leave_good_ones_alone(service, probe, pool, model):
     record = _holds(fx.malformed(service.url, pool[9:12], 24), service.url, probe)
-    assert record.checks["good text equals the solo run"] and record.checks["every error body in the one shape"]
+    # the good streams ran batched, their solo runs alone: two numerical paths
+    _near_tie_rule(record, "good text equals the solo run", model,
+                   {f"good-{i}": p for i, p in enumerate(pool[9:12])}, 24)
+    assert record.checks["every error body in the one shape"]
     assert record.checks["each with its documented status and code"], record.rows()
     assert record.counters["good_streams_running_when_the_bad_were_answered"] > 0
 
@@ -202,8 +234,13 @@ def test_a_killed_worker_fails_started_streams_and_retries_the_waiting_one(servi
 
 
 @pytest.mark.slow
-def test_a_naive_retry_duplicates_text_and_the_safe_rule_never_does(service, probe, pool):
+def test_a_naive_retry_duplicates_text_and_the_safe_rule_never_does(service, probe, pool, model):
+    # the retries run batched with each other, the solo run alone; exact texts are right only
+    # because no step of this prompt's answer is a near tie
+    margin = _margin(model, pool[19], 40)
+    assert margin > TOLERANCE, f"pool[19] has a near tie ({margin:.2g} logits): take another prompt"
     record = _holds(fp.retries(service.url, pool[19], pool[20], 40), service.url, probe)
+    assert min(record.counters["first_attempt_chunks"]) >= record.counters["kill_after"]
     assert record.ok, (record.checks, [o.parts for o in record.outcomes])
     naive, safe = record.outcomes[0], record.outcomes[1]
     assert naive.text.count(naive.parts[0]) >= 2 and naive.text != naive.expected

@@ -10,7 +10,9 @@ from labkit.experiments.kv_caching import (
                                            fill_cache,
                                            generate_uncached,
                                            kv_bytes_per_token,
+                                           loop_work,
                                            perturbed_cache_trials,
+                                           rate_interval,
                                            speedup_curve,
                                            speedup_trend,
                                            stale_cache_trials,
@@ -122,3 +124,37 @@ def test_equivalence_excuses_a_near_tie_and_fails_a_wide_gap(monkeypatch):
     assert not near["identical"] and near["agreement"].excused and near["agreement"].ok
     wide = paths(1.0)
     assert not wide["agreement"].ok and not wide["agreement"].excused
+
+
+def test_equivalence_tolerance_is_the_stated_bound_not_the_runs_difference(monkeypatch):
+    """A cached path 0.01 off every logit flips a gap of 0.015: twice this run's own
+    difference (0.02) would excuse it, twice the stated float32 error (2e-3) does not."""
+    from labkit.experiments import kv_caching
+    from labkit.experiments.path_agreement import LOGIT_ERROR
+
+    ref = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 1.015, 1.0])]
+    cand = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 1.005, 1.01])]
+    monkeypatch.setattr(kv_caching, "generate_uncached", lambda m, p, s: ([0, 1], ref))
+    monkeypatch.setattr(kv_caching, "generate_cached",
+                        lambda m, p, s, keep_logits=False: ([0, 2], cand))
+    out = kv_caching.cache_equivalence(None, [5], 2)
+    assert out["logit_error"] == LOGIT_ERROR and out["agreement"].tolerance == 2 * LOGIT_ERROR
+    assert out["max_abs_diff"] == pytest.approx(0.01) and not out["agreement"].ok
+    assert kv_caching.cache_equivalence(None, [5], 2, logit_error=0.01)["agreement"].excused
+
+
+def test_loop_work_counts_passes_and_positions():
+    assert loop_work(16, 16) == {"passes": 16, "cached_positions": 31, "uncached_positions": 376}
+    assert loop_work(4, 1) == {"passes": 1, "cached_positions": 4, "uncached_positions": 4}
+    with pytest.raises(ValueError):
+        loop_work(0, 4)
+
+
+def test_rate_interval_is_wilsons():
+    low, high = rate_interval(1, 20)
+    assert low == pytest.approx(0.00888, abs=1e-4) and high == pytest.approx(0.2361, abs=1e-4)
+    assert rate_interval(0, 20)[0] == 0.0 and rate_interval(20, 20)[1] == 1.0
+    low, high = rate_interval(8, 20)
+    assert low < 0.4 < high
+    with pytest.raises(ValueError):
+        rate_interval(3, 2)

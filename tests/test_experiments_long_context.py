@@ -62,6 +62,56 @@ def test_kv_cache_bytes_match_the_caches(tiny):
     assert lc.score_matrix_bytes(tiny.config, 10) == tiny.config.num_heads * 100 * 4
 
 
+
+def test_attention_scores_by_hand():
+    full = SimpleNamespace(num_layers=2, num_heads=3)
+    assert lc.attention_scores(full, 10) == 2 * 3 * 10 * 10
+    # chunks of 4: 4 x 4, then 4 x 8, then the last 2 x 10
+    assert lc.attention_scores(full, 10, 4) == 2 * 3 * (16 + 32 + 20)
+    windowed = SimpleNamespace(num_layers=2, num_heads=1, layer_windows=(4, None))
+    assert lc.attention_scores(windowed, 10) == 2 * 100  # the whole pass: 10 x 10 in both
+    # the windowed layer sees at most 3 positions before a chunk: 4x4, 4x(3+4), 2x(3+2)
+    assert lc.attention_scores(windowed, 10, 4) == (16 + 28 + 10) + (16 + 32 + 20)
+    assert lc.attention_scores(full, 10, 10) == lc.attention_scores(full, 10, 64)
+
+
+def _counting_sdpa(monkeypatch):
+    """Count the query-key scores handed to SDPA: batch x heads x query rows x keys."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(q, k, v, *args, **kwargs):
+        seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    return seen
+
+
+@pytest.mark.parametrize("chunk", [None, 16, 40])
+def test_attention_scores_count_what_the_llama_computes(tiny, monkeypatch, chunk):
+    seen = _counting_sdpa(monkeypatch)
+    lc.prefill(tiny, ids_of(100, seed=4), chunk)
+    assert sum(seen) == lc.attention_scores(tiny.config, 100, chunk)
+
+
+@pytest.mark.parametrize("chunk", [None, 8, 12])
+def test_attention_scores_count_what_the_rolling_cache_computes(monkeypatch, chunk):
+    config = SimpleNamespace(layer_windows=(8, None, 8), num_layers=3, num_kv_heads=1,
+                             num_heads=2, head_dim=4, attention_scale=0.5)
+    seen = _counting_sdpa(monkeypatch)
+    cache, length = RollingKVCache(config, 1, 30), 30
+    step = chunk or length
+    for start in range(0, length, step):
+        steps = min(step, length - start)
+        q = torch.randn(1, 1, 2, steps, 4)  # [B, kv_heads, group, T, D]
+        k, v = torch.randn(1, 1, steps, 4), torch.randn(1, 1, steps, 4)
+        for layer in range(3):
+            cache.attend(layer, q, k, v)
+        cache.advance(steps)
+    assert sum(seen) == lc.attention_scores(config, length, chunk)
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_needle_prompt_places_needle_and_keeps_length(depth):
     prefix, needle, suffix = [-1, -2], [-7, -8, -9], [-3]

@@ -199,3 +199,17 @@ def test_against_prediction():
     assert against_prediction(26.0, 29.0, 27.5) == "within the interval of"
     with pytest.raises(ValueError):
         against_prediction(2.0, 1.0, 1.5)
+
+
+def test_step_growth_reading_compares_the_time_with_the_arithmetic():
+    from labkit.experiments.naive_generation import step_growth_reading
+
+    # chapter 5's run: 46.5 ms -> 93.4 ms (2.0x) while the FLOPs grew about 9.7x
+    less = step_growth_reading(0.0465, 0.0934, 1.54e9, 14.9e9)
+    assert less.startswith("The time of a naive step grew with the text, but much less")
+    assert "2.0 times" in less and "9.7 times the FLOPs" in less
+    assert "about as its arithmetic" in step_growth_reading(0.05, 0.40, 1e9, 10e9)
+    assert "hardly grew" in step_growth_reading(0.05, 0.06, 1e9, 10e9)
+    assert "faster than its arithmetic" in step_growth_reading(0.05, 2.0, 1e9, 10e9)
+    with pytest.raises(ValueError):
+        step_growth_reading(0.0, 0.1, 1e9, 2e9)

@@ -12,6 +12,7 @@ from labkit.experiments.next_token import (
                                            check_against_reference,
                                            path_margins,
                                            portable_prefix,
+                                           rank_margins,
                                            reference_greedy,
                                            chi2_sf,
                                            entropy_bits,
@@ -242,6 +243,20 @@ def test_portable_prefix_stops_before_the_first_near_tie():
     assert PORTABLE_MARGIN > 0
     with pytest.raises(ValueError):
         portable_prefix([1.0], margin=-1.0)
+
+
+def test_rank_margins_cover_the_order_and_the_cut():
+    # ranks: 3.0, 2.9995, 2.5, 1.0, 0.0 (ids 1, 4, 3, 2, 0)
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.5, 2.9995])
+    assert rank_margins(logits, 1) == pytest.approx([5e-4], abs=1e-6)  # the top-two margin
+    # a top-3 list is guarded by the gaps inside it and by the one to the 4th, which it drops
+    assert rank_margins(logits, 3) == pytest.approx([5e-4, 0.4995, 1.5], abs=1e-6)
+    assert rank_margins(logits[[0, 2, 3]], 2) == pytest.approx([1.5, 1.0])  # order, not index
+    assert min(rank_margins(logits, 3)) < PORTABLE_MARGIN < min(rank_margins(logits[[0, 2, 3]], 2))
+    assert rank_margins(logits[None], 2) == rank_margins(logits, 2)  # a [1, vocab] row is one vector
+    for k in (0, 5):  # nothing to rank, or no token left out to compare the last one with
+        with pytest.raises(ValueError):
+            rank_margins(logits, k)
 
 
 def test_path_margins_and_reference_greedy_on_a_table():

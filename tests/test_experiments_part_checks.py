@@ -92,3 +92,60 @@ def test_greedy_paths_agree_excuses_a_near_tie_and_fails_a_wide_divergence():
     assert not exact.ok and exact.tolerance == 0.0
     wide = checks.greedy_paths_agree(model, reference, [7, 8], [2, 2, 0], [1, 2, 0])
     assert not wide.ok and wide.diverged_at == 0
+
+
+class _CachedTable(_Table):
+    """A `_Table` with a KV cache: through the cache (prefill, then one token per call, as the
+    loop computes) its rows are `cached_table`'s, while one pass gives `table`'s."""
+
+    def __init__(self, table, cached_table, prompt_len):
+        super().__init__(table, prompt_len)
+        self.cached = _Table(cached_table, prompt_len)
+
+    def new_cache(self, batch=1, max_len=0):
+        return {"length": 0}
+
+    def __call__(self, ids, cache=None):
+        if cache is None:
+            return super().__call__(ids)
+        start = cache["length"]
+        cache["length"] += ids.shape[1]
+        full = torch.zeros(1, cache["length"], dtype=torch.long)  # positions 0..length-1
+        return self.cached(full)[:, start:]
+
+
+def test_greedy_paths_agree_measures_the_tolerance_on_the_cached_path_too():
+    # one pass bit-identical to the reference, the cached path 1e-4 off: the loop's tokens come
+    # from the cached path, so its near-tie flip is excused (a one-pass tolerance would be 0)
+    table = [[0.0, 3.0, 1.0], [0.0, 2.0, 2.0001], [4.0, 0.0, 0.0]]
+    reference = _Table(table, prompt_len=2, wrap=True)
+    nudged = torch.tensor(table)
+    nudged[1, 1] += 1e-4
+    nudged[1, 2] -= 1e-4
+    model = _CachedTable(table, nudged, prompt_len=2)
+    flip = checks.greedy_paths_agree(model, reference, [7, 8], [1, 1, 0], [1, 2, 0])
+    assert flip.ok and flip.excused and flip.tolerance == pytest.approx(2e-4, rel=1e-3)
+    # a divergence wider than the cached path's difference still fails
+    wide = checks.greedy_paths_agree(model, reference, [7, 8], [2, 2, 0], [1, 2, 0])
+    assert not wide.ok
+
+
+def test_weight_stream_share_is_the_rate_ratio_with_its_interval():
+    step = [0.020, 0.0202, 0.0198, 0.0204, 0.0196]   # s per decode step
+    read = [0.040, 0.0404, 0.0396, 0.0408, 0.0392]   # s per sum over the read buffer
+    row = {"decode_step_samples_s": step, "memory_read_samples_s": read}
+    # 500 MB in 20 ms is 25 GB/s; 1,000 MB in 40 ms is 25 GB/s: the share is 1
+    share, low, high = checks.weight_stream_share(row, 500_000_000, 1_000_000_000)
+    assert share == pytest.approx(1.0)
+    assert low <= share <= high and high - low < 0.1
+    half, _, _ = checks.weight_stream_share(row, 250_000_000, 1_000_000_000)
+    assert half == pytest.approx(0.5)
+
+
+def test_memory_rate_verdict_with_an_interval_across_the_line_cannot_tell():
+    assert "cannot say" in checks.memory_rate_verdict(7.9, 10.0, interval=(0.76, 0.82))
+    assert "did not set" in checks.memory_rate_verdict(7.9, 10.0, interval=(0.76, 0.79))
+    assert "close to the memory's rate" in checks.memory_rate_verdict(8.1, 10.0,
+                                                                      interval=(0.80, 0.84))
+    with pytest.raises(ValueError):
+        checks.memory_rate_verdict(8.0, 10.0, interval=(0.9, 0.7))

@@ -125,3 +125,23 @@ def test_prob_slower_interval_and_reading():
     assert coin_toss_reading(1.0, 1.0).startswith("above a coin toss")
     assert coin_toss_reading(0.1, 0.4).startswith("below a coin toss")
     assert prob_slower_interval(*same) == (low, high)  # seeded
+
+
+def test_sign_test_of_paired_probes():
+    from labkit.experiments.prefix_caching import paired_reading, sign_test_p
+
+    # 27 of 40 one way: sum_{i>=27} C(40, i) / 2^40, doubled (chapter 16's scoped count)
+    a, b = [2.0] * 27 + [0.5] * 13, [1.0] * 40
+    assert sign_test_p(a, b) == pytest.approx(0.038477, abs=1e-6)
+    assert sign_test_p(b, a) == sign_test_p(a, b)                 # two-sided: symmetric
+    assert sign_test_p([2.0] * 40, [1.0] * 40) == pytest.approx(2 / 2 ** 40)
+    assert sign_test_p([2.0, 1.0] * 10, [1.0, 2.0] * 10) == 1.0   # 10 of 20: capped at 1
+    assert sign_test_p([1.0] * 5, [1.0] * 5) == 1.0               # all ties: no evidence
+    # ties are dropped, not counted for either side: 3 of 3 untied pairs
+    assert sign_test_p([2.0] * 3 + [1.0] * 9, [1.0] * 12) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        sign_test_p([1.0], [1.0, 2.0])
+    assert "consistent with a coin toss" in paired_reading([2.0, 1.0] * 10, [1.0, 2.0] * 10)
+    assert "see the wrong guess slower" in paired_reading(a, b)
+    assert "see the right guess slower" in paired_reading(b, a)
+    assert "p = 0.038" in paired_reading(a, b)

@@ -25,6 +25,8 @@ def test_timeline_draws_only_the_long_stages_and_counts_calls():
     assert rows == ["load", "prefill", "decode"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["load", "prefill", "decode (2 calls)"]
     assert ax.get_xlim()[1] == pytest.approx((0.3 + 0.1313 + 0.05) * 1.02)
+    # the load and the request are placed end to end: no claim of time since the load
+    assert ax.get_xlabel() == "time (s)"
     plt.close(fig)
 
 

@@ -8,6 +8,8 @@ import torch
 from conftest import make_tiny_llama
 from labkit.engine.backends import ReferenceBackend
 from labkit.experiments import runtime_choices as rc
+from labkit.experiments.path_agreement import BF16_LOGIT_ERROR, LOGIT_ERROR
+from labkit.kernels import gguf_blocks, native
 from labkit.models.llama import grouped_attention
 from labkit.util.near_tie import flip_tolerance
 
@@ -98,8 +100,8 @@ def test_compare_runs_finds_the_first_difference():
     assert rows[0].identical and rows[0].first_step is None and rows[0].excused is None
     assert (rows[1].first_step, rows[1].baseline_token, rows[1].runtime_token) == (1, 2, 9)
     assert rows[1].baseline_margin == pytest.approx(0.01) and rows[1].runtime_margin == pytest.approx(0.002)
-    # token 2 moved by 0.002 only (the runtime's measured error), too little to undo a gap
-    # of 0.01: the near-tie rule does not excuse it
+    # token 2 moved by 0.002 only (the runtime's measured error), and the default tolerance
+    # (twice the stated float32 bound, 2e-3) is below the gap of 0.01: not excused
     assert rows[1].flip_change == pytest.approx(0.002)
     assert rc.runtime_error([base, base], [same, moved]) == pytest.approx(0.002)
     assert rows[1].gap == pytest.approx(0.01) and rows[1].excused is False
@@ -108,7 +110,7 @@ def test_compare_runs_finds_the_first_difference():
     assert rc.margins([base]) == pytest.approx([0.5, 0.01, 0.2, 0.3])
 
 
-def test_a_flip_within_twice_the_measured_error_is_excused():
+def test_the_tolerance_comes_from_a_stated_bound_not_from_the_run_it_judges():
     def run(tokens, margins):
         return rc.GreedyRun(tokens, [[(t, 0.0), (t + 1, -m)] for t, m in zip(tokens, margins)])
 
@@ -116,12 +118,58 @@ def test_a_flip_within_twice_the_measured_error_is_excused():
     flipped = run([1, 3, 7], [0.5, 0.001, 0.2])
     flipped.top[0] = [(1, 0.003), (2, -0.5)]  # a change of 0.003 on a shared step
     flipped.top[1] = [(3, 0.0), (2, -0.001)]  # the runner-up taken, at a gap of 0.004
-    rows = rc.compare_runs([base], [flipped])
-    # the flip step is a shared step too (same tokens before it): token 3 moved by 0.004
+    # the flip step is a shared step too (same tokens before it): token 3 moved by 0.004,
+    # so twice the run's own error (0.008) would excuse its own flip whatever the gap
     assert rc.runtime_error([base], [flipped]) == pytest.approx(0.004)
-    assert rows[0].first_step == 1 and rows[0].gap == pytest.approx(0.004) and rows[0].excused
-    # a stated tolerance below the gap fails it
-    assert rc.compare_runs([base], [flipped], tolerance=0.002)[0].excused is False
+    # the default is twice the stated float32 bound (2e-3), below the gap: not excused
+    row = rc.compare_runs([base], [flipped])[0]
+    assert row.agreement.tolerance == pytest.approx(2 * LOGIT_ERROR) and row.excused is False
+    # a stated bound of 0.003 excuses the gap of 0.004, but the measured error (0.004) is
+    # above that bound, so the chapter's check (error <= bound) fails the runtime
+    row = rc.compare_runs([base], [flipped], tolerance=flip_tolerance(0.003))[0]
+    assert row.first_step == 1 and row.gap == pytest.approx(0.004) and row.excused
+    assert rc.runtime_error([base], [flipped]) > 0.003
+
+
+def test_each_runtime_states_its_error_bound():
+    bounds = {c.name: c.logit_error for c in rc.choices()}
+    assert bounds.pop("bfloat16") == BF16_LOGIT_ERROR
+    assert set(bounds.values()) == {LOGIT_ERROR}
+
+
+def test_counting_passes_counts_each_path_and_restores_both(monkeypatch):
+    def forward(self, input_ids, *args, **kwargs):
+        return "forward"
+
+    def layers(x, *args, **kwargs):
+        return "layers"
+
+    monkeypatch.setattr(gguf_blocks.BlockLlama, "forward", forward)
+    monkeypatch.setattr(native, "decoder_layers_blocks", layers)
+    with rc.counting_passes() as count:
+        assert gguf_blocks.BlockLlama.forward(None, torch.zeros(1, 7, dtype=torch.long)) == "forward"
+        assert gguf_blocks.BlockLlama.forward(None, torch.zeros(1, 2, dtype=torch.long)) == "forward"
+        assert native.decoder_layers_blocks(torch.zeros(2, 8), None) == "layers"
+    assert (count.passes, count.block) == ([7, 2], [2])
+    assert gguf_blocks.BlockLlama.forward is forward and native.decoder_layers_blocks is layers
+
+
+@pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+def test_bf16_prefill_takes_onednn_and_one_token_steps_the_c_layers(model):
+    prompt = model.tokenizer.encode("The three primary colours of light are red, green and")
+    assert len(prompt) > native.MAX_ROWS
+    with rc.counting_passes() as count:
+        rc.engine_runtime(model, [prompt], 3, weights="bf16")
+    assert count.passes == [len(prompt), 1, 1] and count.block == [1, 1]
+
+
+def test_bf16_path_names_the_gemm_of_each_machine():
+    amx = rc.bf16_path({"available": True, "bf16_gemm_native": True, "amx": True})
+    assert "bfloat16 GEMM (AMX)" in amx and "rounds each product" in amx
+    avx512 = rc.bf16_path({"available": True, "bf16_gemm_native": True, "amx": False}, short=True)
+    assert "AVX512-BF16" in avx512
+    avx2 = rc.bf16_path({"available": True, "bf16_gemm_native": False, "amx": False})
+    assert "float32 GEMM" in avx2 and "bfloat16 GEMM (" not in avx2
 
 
 def test_top_logprobs_breaks_ties_by_lower_id():

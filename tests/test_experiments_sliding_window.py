@@ -286,3 +286,49 @@ def test_compare_paths_excuses_a_near_tie_and_measures_only_the_shared_steps():
     pairs = [[(1, 1.0), (2, 0.0)]]
     assert shared_score_error(ref[:1], pairs, 1) == pytest.approx(0.0)
     assert shared_score_error(ref[:1], [[(1, 1.25)]], 1) == pytest.approx(0.25)
+
+
+# -- readings that claim no more than the data ----------------------------------------------
+
+def test_paired_interval_uses_t_for_n_minus_one_degrees_of_freedom():
+    from labkit.experiments.sliding_window import T_975, paired_interval
+
+    # chapter 22's five passages: a mean 2.17 standard errors below 0 is within the noise
+    # with 4 degrees of freedom (cutoff 2.776), though it would pass a cutoff of 2
+    d = [-0.0822, -0.0050, -0.1151, 0.0064, -0.0528]
+    got = paired_interval(d)
+    mean = sum(d) / 5
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 4) / math.sqrt(5)
+    assert got.n == 5 and got.mean == pytest.approx(mean)
+    assert got.half_width == pytest.approx(2.776 * se)
+    assert abs(mean) > 2 * se and got.verdict == "within the noise"
+    assert got.low < 0 < got.high
+    # every difference of one sign and tight: a direction
+    assert paired_interval([0.10, 0.11, 0.09, 0.10, 0.12]).verdict == "higher"
+    assert paired_interval([-0.10, -0.11, -0.09]).verdict == "lower"
+    # two pairs: one degree of freedom, cutoff 12.706
+    assert paired_interval([1.0, 3.0]).half_width == pytest.approx(12.706 * 1.0)
+    # more than 30 pairs: the 30-degree value, slightly wide
+    many = paired_interval([0.0, 1.0] * 20)
+    assert many.half_width == pytest.approx(T_975[-1] * math.sqrt(40 / 39 * 0.25) / math.sqrt(40))
+    assert T_975[3] == 2.776 and T_975[0] == 12.706
+    with pytest.raises(ValueError):
+        paired_interval([0.1])
+
+
+def test_cache_fit_sentence_reads_each_outcome():
+    from labkit.experiments.sliding_window import cache_fit_sentence
+
+    mib = 2**20
+    # chapter 22 on a 300 MiB cache: the ring's 116 MB fits, the mask's 604 MB does not
+    one = cache_fit_sentence(16384, 116e6, 604e6, 300 * mib)
+    assert "the rolling cache's 116 MB is smaller than" in one
+    assert "the mask's 604 MB is not" in one and "(300 MiB)" in one
+    # a 16 MiB laptop cache: neither
+    assert "neither the rolling cache's 116 MB nor the mask's 604 MB" in cache_fit_sentence(
+        16384, 116e6, 604e6, 16 * mib)
+    # a cache that holds both
+    assert " both " in cache_fit_sentence(256, 9e6, 9e6, 300 * mib)
+    # unknown size: no claim either way
+    unknown = cache_fit_sentence(16384, 116e6, 604e6, None)
+    assert "could not be read" in unknown and "smaller" not in unknown

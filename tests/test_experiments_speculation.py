@@ -200,3 +200,88 @@ def test_pooled_speedups_sum_rounds_over_prompts():
     assert p["relation"] == "faster than" and p["acceptance_rate"] == 0.5
     noisy = [rec(0, "none", [1.0, 1.2, 0.8]), rec(0, "ngram", [1.1, 0.9, 1.0])]
     assert pooled_speedups(noisy)[0]["verdict"] == "within the noise"
+
+
+def test_cost_relation_claims_a_difference_only_beyond_the_margin():
+    from labkit.experiments.speculation import COST_MARGIN, cost_relation
+
+    # chapter 17's full run: a draft pass cost 0.68 of a step in the runs, 0.82 timed alone;
+    # a guess 0.83: the first is a difference beyond 15%, the second is not
+    assert cost_relation(0.68, 0.82) == "less than"
+    assert cost_relation(0.83, 0.82) == "about the same as"
+    assert cost_relation(0.82 * (1 + COST_MARGIN) * 1.01, 0.82) == "more than"
+    assert cost_relation(0.82 * (1 + COST_MARGIN) * 0.99, 0.82) == "about the same as"
+    assert cost_relation(1.0, 1.1, margin=0.05) == "less than"
+    with pytest.raises(ValueError):
+        cost_relation(0.0, 1.0)
+
+
+def test_dispatch_reading_names_the_kernel_switch():
+    from labkit.experiments.speculation import dispatch_reading
+
+    # the full run's pass costs (time / one decode step) by tokens per pass
+    run = {1: 1.0, 2: 1.198, 3: 1.654, 4: 1.701, 5: 1.390, 6: 1.412, 7: 1.436}
+    text = dispatch_reading(4, run)
+    assert "passes of 1 to 4 tokens went through labkit's C" in text
+    assert "5 or more through oneDNN" in text
+    assert "Passes of 3 and 4 tokens" in text and "1.65 and 1.70 against 1.39" in text
+    assert "k = 2 and 3" in text and "not of the text" in text
+    flat = {n: 1.0 + 0.05 * n for n in range(1, 8)}
+    assert "no hump" in dispatch_reading(4, flat) and "not of the text" not in dispatch_reading(4, flat)
+    assert "do not reach" in dispatch_reading(4, {1: 1.0, 2: 1.2})
+    off = dispatch_reading(0, run)
+    assert "no pass went through labkit's C" in off and "oneDNN's blocked" not in off
+
+
+def test_best_setting_reading_says_edge_and_overlap():
+    from labkit.experiments.speculation import best_setting_reading
+
+    def row(k, low, high, text_type="repetitive"):
+        return {"text_type": text_type, "drafter": "ngram", "k": k, "low_x": low, "high_x": high}
+
+    # the full run's repetitive rows: k = 8 best, at the edge, overlapping k = 6
+    rows = [row(1, 1.09, 1.19), row(2, 1.07, 1.18), row(4, 1.34, 1.44), row(6, 1.40, 1.50),
+            row(8, 1.46, 1.58), row(8, 0.1, 5.0, text_type="prose")]
+    text = best_setting_reading(rows, rows[4])
+    assert "largest lookahead tried" in text and "overlaps that of k = 6," in text
+    inside = [row(1, 1.0, 1.1), row(4, 1.5, 1.6), row(8, 1.2, 1.3)]
+    text = best_setting_reading(inside, inside[1])
+    assert "within the lookaheads tried (1 to 8)" in text and "lies above" in text
+
+
+def test_c_kernel_rows_is_the_dispatch_the_passes_take(monkeypatch):
+    import torch.nn.functional as F
+
+    from labkit.experiments.speculation import c_kernel_rows
+    from labkit.kernels import native
+    from labkit.kernels.packed import available, pack_model
+
+    if not available(torch.zeros(1)):
+        pytest.skip("no oneDNN in this torch")
+    model = make_tiny_llama(seed=7)
+    packed = pack_model(model)
+    assert c_kernel_rows(model) == 0                              # plain tensors: no C kernel
+    assert c_kernel_rows(pack_model(model, native_gemv=False)) == 0
+    monkeypatch.setitem(native._state, "lib", None)               # no C library here
+    monkeypatch.setitem(native._state, "why", "switched off by the test")
+    assert c_kernel_rows(packed) == 0
+    # with a (fake) C library, record the rows each C call carried
+    seen = []
+
+    def fake_gemv(x, weight):
+        seen.append(x.numel() // x.shape[-1])
+        return F.linear(x, weight)
+
+    monkeypatch.setitem(native._state, "lib", object())
+    monkeypatch.setattr(native, "gemv", fake_gemv)
+    rows = c_kernel_rows(packed)
+    assert rows == native.MAX_ROWS
+    took_c = {}
+    with torch.inference_mode():
+        for n in range(1, rows + 3):
+            cache = packed.new_cache(1, 16)
+            packed(torch.tensor([[1, 2, 3]]), cache=cache)
+            seen.clear()
+            packed(torch.tensor([list(range(4, 4 + n))]), cache=cache)
+            took_c[n] = bool(seen)
+    assert took_c == {n: n <= rows for n in range(1, rows + 3)}

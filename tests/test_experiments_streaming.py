@@ -302,6 +302,8 @@ def test_abort_cuts_the_slow_stream_once_every_buffer_below_is_full(engine, mode
     assert abs(statistics.median(sizes) - chunk) <= 4
     assert all(r.ok and r.output_tokens == tokens - after for r in run.others)
     assert run.blocks_left == 0 and run.peak_buffered <= 5
+    # the harness let the slow client read the rest only after the others had started
+    assert run.others_started_s < run.drained_s <= run.wall_s
 
 
 @pytest.mark.slow
@@ -338,3 +340,74 @@ def test_policy_sentences_are_true_whether_or_not_the_reader_fell_behind():
     assert not any(holds for holds, _, _ in got.values())
     assert "never acted" in got["abort"][2] and "none folded" in got["coalesce"][2]
     assert "within the 16" in got["unbounded"][2]
+
+
+# -- the other streams' gaps, judged against the control's drift --------------------------------
+
+def _gaps(scale: float = 1.0, tail: float = 1.0) -> list[float]:
+    """1,000 gaps around 52 ms; the top 2% (what sets the p99) multiplied by `tail`."""
+    base = sorted(0.050 + 0.0001 * (i % 50) for i in range(1000))
+    return [scale * (x * tail if i >= 980 else x) for i, x in enumerate(base)]
+
+
+def test_gap_verdicts_count_a_difference_only_beyond_the_control_runs_drift():
+    control, again = _gaps(), _gaps(1.08)                  # two control runs, 8% apart
+    runs = {"a": _gaps(1.06), "b": _gaps(0.8), "c": _gaps(tail=1.3)}
+    got = sr.gap_verdicts(control, runs, again)
+    assert sr.gap_drift(control, again) == pytest.approx((1.08, 1.08))
+    # 6% longer, and a bootstrap of one run separates it, but two control runs drift 8%
+    assert got["a"].median_word == "within the threshold" and got["a"].median_separated
+    assert got["b"].median_word == "shorter" and got["b"].p99_word == "shorter"
+    assert got["c"].median_word == "within the threshold" and got["c"].p99_word == "longer"
+    assert got["c"].p99_ratio == pytest.approx(1.3, rel=0.02)
+    assert "(longer beyond the threshold)" in got["c"].text()
+    # no repeat of the control: the stated floor alone, which 6% passes
+    alone = sr.gap_verdicts(control, runs)
+    assert alone["a"].median_threshold == sr.GAP_FLOOR and alone["a"].median_word == "longer"
+
+
+def test_gap_sentences_name_what_counted_for_each_outcome():
+    control, again = _gaps(), _gaps(1.01)
+    quiet = sr.gap_verdicts(control, {"abort": _gaps(0.99), "unbounded": _gaps(1.02)}, again)
+    text = sr.drift_sentence(control, again, quiet)
+    assert "1.01 times" in text and "no policy moved" in text
+    assert "did not lengthen" in sr.lede_sentence(quiet)
+    assert sr.gap_notes(quiet).startswith("No policy moved")
+    mixed = sr.gap_verdicts(control, {"abort": _gaps(0.8), "coalesce": _gaps(1.01),
+                                      "unbounded": _gaps(tail=1.3)}, again)
+    assert "`abort` and `unbounded` moved" in sr.drift_sentence(control, again, mixed)
+    assert "no other policy did" in sr.drift_sentence(control, again, mixed)
+    assert "though under `unbounded`" in sr.lede_sentence(mixed)
+    notes = sr.gap_notes(mixed)
+    assert "A shorter gap" in notes and "A longer gap" in notes
+    assert "`abort` median shorter" in sr.gap_summary(mixed, True)
+    stretched = sr.gap_verdicts(control, {"abort": _gaps(2.0), "unbounded": control}, again)
+    assert "stretched" in sr.lede_sentence(stretched) and "`abort`" in sr.lede_sentence(stretched)
+    assert "every policy" not in sr.drift_sentence(control, again, stretched)
+    once = sr.drift_sentence(control, None, sr.gap_verdicts(control, {"abort": _gaps(0.8)}))
+    assert once.startswith("This profile runs the control once")
+    assert "does not measure the drift" in sr.gap_summary(quiet, False)
+
+
+def test_tcp_buffer_sysctls_reads_three_sizes_and_skips_the_rest(tmp_path):
+    (tmp_path / "tcp_wmem").write_text("4096\t16384\t4194304\n")
+    (tmp_path / "tcp_rmem").write_text("not numbers\n")
+    assert st.tcp_buffer_sysctls(tmp_path) == {"tcp_wmem": (4096, 16384, 4194304)}
+    assert st.tcp_buffer_sysctls(tmp_path / "absent") == {}
+
+
+def test_buffer_limits_sentence_says_whether_the_queues_ended_at_the_limits():
+    limits = {"tcp_wmem": (4096, 16384, 4194304), "tcp_rmem": (4096, 131072, 6291456)}
+    at = st.KernelAbsorption(4146176 + 128384, 4146176, 128384)
+    holds, if_true, _ = st.buffer_limits_sentence(at, limits)
+    assert holds and "99% of the send buffer's maximum, 4,194,304 bytes" in if_true
+    short = st.KernelAbsorption(1_000_000 + 128384, 1_000_000, 128384)
+    holds, _, if_false = st.buffer_limits_sentence(short, limits)
+    assert not holds and "24% of the send buffer's maximum" in if_false
+    holds, _, if_false = st.buffer_limits_sentence(at, {})
+    assert not holds and "does not report" in if_false
+
+
+def test_socket_probes_run_only_on_linux():
+    assert st.socket_probes_unsupported("linux") is None
+    assert "this system is darwin" in st.socket_probes_unsupported("darwin")

@@ -194,3 +194,42 @@ def test_compare_at_uses_every_timed_call():
                        {"method": "b", "length": 8, "samples_s": [3.0, 3.1, 3.2]}])
     c = compare_at(df, "a", "b", 8)
     assert c.verdict == "faster" and 2.5 < c.ratio < 3.0
+
+
+def test_speed_owner_reads_both_steps():
+    """The credit for the fused kernel's speed comes from both comparisons: the loop against
+    naive attention (the algorithm) and the fused kernel against the loop (the kernel).
+    Judging from the second alone, as the chapter once did, would give the kernel the
+    speed in the first case below, where the algorithm made most of it."""
+    from labkit.experiments.blockwise_attention import speed_owner
+    from labkit.util.compare import Comparison
+
+    def c(ratio, low, high):
+        return Comparison("a", "b", ratio, low, high, 0.95, 3, 3)
+
+    # both faster, the algorithm's interval above the kernel's (the CPU run of the chapter)
+    text = speed_owner(c(6.89, 6.75, 7.60), c(1.68, 1.61, 1.77))
+    assert "6.89 times as fast as naive attention" in text and "1.68 times" in text
+    assert "came with the algorithm than with the kernel" in text
+    assert "belongs to the kernel" not in text
+    # both faster, the kernel's share clearly larger; then overlapping intervals
+    assert "came with the kernel than with the algorithm" in speed_owner(
+        c(1.3, 1.2, 1.4), c(5.0, 4.0, 6.0))
+    assert "neither share is clearly the larger" in speed_owner(
+        c(2.0, 1.5, 3.0), c(2.5, 2.0, 3.5))
+    # the loop slower than naive attention (the source's GPU): the kernel owns the speed
+    text = speed_owner(c(0.06, 0.05, 0.07), c(100.0, 90.0, 110.0))
+    assert "the speed belongs to the kernel" in text
+    assert "slower than naive attention (0.06 times its speed)" in text
+    # the loop within the noise of naive attention, the kernel faster
+    text = speed_owner(c(1.02, 0.9, 1.2), c(3.0, 2.8, 3.2))
+    assert "the speed belongs to the kernel" in text
+    assert "not faster than naive attention beyond the noise (ratio 1.02)" in text
+    # the loop faster, the kernel no faster than the loop: the algorithm owns the speed
+    text = speed_owner(c(4.0, 3.5, 4.5), c(0.98, 0.9, 1.1))
+    assert "so does the speed" in text and "belongs to the kernel" not in text
+    assert "not faster than the loop beyond the noise (ratio 0.98)" in text
+    # neither step faster
+    text = speed_owner(c(1.0, 0.9, 1.1), c(0.8, 0.7, 0.9))
+    assert "neither owns a speed-up" in text and "slower than the loop" in text
+    assert text.endswith(".")

@@ -11,8 +11,9 @@ from labkit.eval import eval_text
 from labkit.kernels.quant import quantize_int4, quantize_int8
 from labkit.experiments.quantization import (decode_runner, greedy_tokens, paired_difference,
                                              teacher_forced_matches, window_scores)
-from labkit.models.quantized import (QuantizedLlama, error_over_bound, fake_quantize, gguf_group,
-                                     quantize_model, reconstruction_error, storage_rows, stored_bytes)
+from labkit.models.quantized import (KERNEL_LOGIT_ERROR, QuantizedLlama, error_over_bound,
+                                     fake_quantize, gguf_group, quantize_model,
+                                     reconstruction_error, storage_rows, stored_bytes)
 from labkit.util.timing import measure_interleaved
 
 PROMPT = "An inference engine takes a trained model and a request, and it must"
@@ -35,9 +36,10 @@ def test_fake_quant_equals_kernel_path(model, fake, ids, scheme):
     kernel = QuantizedLlama(model, scheme, group_size=64, dtype=torch.float32)
     x = torch.tensor([ids[:6]])
     a, b = fake[scheme](x), kernel(x)
-    # the two paths' logit error is held to 2e-3 of the largest logit; their argmax agrees
-    # under the near-tie rule with twice that as its tolerance
-    bound = 2e-3 * float(a.abs().max())
+    # the two paths' logit error is held to the stated share of the largest logit; their
+    # argmax agrees under the near-tie rule with twice that as its tolerance
+    assert KERNEL_LOGIT_ERROR == 2e-3  # the bound chapter 12 states; widening it is a decision
+    bound = KERNEL_LOGIT_ERROR * float(a.abs().max())
     assert (a - b).abs().max() < bound
     assert_argmax_near(a, b, bound, what=f"{scheme} fake quantization against its kernels")
 

@@ -8,8 +8,8 @@ from labkit.sim.roofline import Machine, predict
 from labkit.sim.roofline_ops import (bmm, catalogue, copy, decode_step_ops, decode_step_timer,
                                      elementwise, gather, gemm, gemv_from_memory,
                                      measure_catalogue, measure_decode_steps,
-                                     predict_decode_step, rmsnorm, smollm2_weight_shapes,
-                                     softmax)
+                                     predict_decode_step, products_vs_step, rmsnorm,
+                                     smollm2_weight_shapes, softmax)
 
 MACHINE = Machine(peak_flops=100e9, bandwidth=10e9, overhead=5e-6, threads=2)
 SMOL = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -110,3 +110,12 @@ def test_measure_decode_steps_interleaved(model):
     for r in rows:
         assert r["rounds"] == 3 and r["low_s"] <= r["measured_s"] <= r["high_s"] <= r["max_s"]
         assert r["ratio_whole"] == pytest.approx(r["measured_s"] / r["whole_step_s"])
+
+
+def test_products_vs_step_reads_a_share_only_inside_the_gap():
+    # the stored run: products 33.3 ms, step 26.4 ms, prediction 18.6 ms: no "189% of the gap"
+    over = products_vs_step(26.4e-3, 18.6e-3, 33.3e-3)
+    assert "took longer than the whole step" in over and "of the gap" not in over
+    assert "accounts for 50% of the gap" in products_vs_step(30e-3, 20e-3, 25e-3)
+    assert "accounts for 0% of the gap" in products_vs_step(30e-3, 20e-3, 15e-3)
+    assert "no gap" in products_vs_step(18e-3, 20e-3, 25e-3)

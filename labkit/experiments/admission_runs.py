@@ -222,6 +222,8 @@ class LiveService:
     max_queue: int = 8
     threads: int = 1   # engine threads: on 2 cores the other one serves the client and front end
     server: ServerProcess | None = field(default=None, repr=False)
+    # the untimed first request: the service's estimator learned from it (`estimator_after`)
+    startup: list[HttpRecord] = field(default_factory=list, repr=False)
 
     def __enter__(self) -> "LiveService":
         self.server = ServerProcess("--max-num-seqs", "1", "--queue-policy", self.policy,
@@ -230,7 +232,8 @@ class LiveService:
         self.server.__enter__()
         try:
             self.wait_ready()
-            self.post(list(range(100, 116)), 2)  # the first request pays one-off costs: untimed
+            # the first request pays one-off costs: untimed, but kept (the estimator saw it)
+            self.startup = [self.post(list(range(100, 116)), 2)]
         except BaseException:
             self.server.__exit__(None, None, None)
             raise
@@ -342,8 +345,11 @@ class LiveExperiment:
     runs: list[LiveRun]        # one per policy, in `POLICIES` order
     stale: LiveRun | None      # admit-by-estimate again, after a warm-up on other requests
     stale_teaching: tuple[int, int, int]  # (requests, prompt tokens, max_tokens) of that warm-up
-    estimate_fresh_s: float    # the service's estimate of one request before each run ...
-    estimate_stale_s: float    # ... and before the stale one
+    # the service's estimate of one request before the first run, and before the stale one:
+    # reconstructed (`estimator_after`) from every answer it learned from, in order (the
+    # service does not report its estimate)
+    estimate_fresh_s: float
+    estimate_stale_s: float
     rounds: list[list[LiveRun]] = field(default_factory=list)  # every round, each in `runs` order
 
     @property
@@ -395,11 +401,11 @@ def run_experiment(services: dict[str, LiveService], text_ids: Sequence[int], co
     estimates = [math.nan, math.nan]
     if "admit-by-estimate" in services:
         service = services["admit-by-estimate"]
-        main = runs[policies.index("admit-by-estimate")]
-        estimates[0] = estimator_after(teach["admit-by-estimate"]).service_s(prompt_tokens, max_tokens)
+        ran = [rs[policies.index("admit-by-estimate")].records for rs in every]  # every round
+        seen = (service.startup, teach["admit-by-estimate"])  # what it learned before round 1
+        estimates[0] = estimator_after(*seen).service_s(prompt_tokens, max_tokens)
         taught = service.warm_up(slices(8000, stale_warmups, stale_prompt_tokens), max_tokens)
-        estimates[1] = estimator_after(teach["admit-by-estimate"], main.records, taught).service_s(
-            prompt_tokens, max_tokens)
+        estimates[1] = estimator_after(*seen, *ran, taught).service_s(prompt_tokens, max_tokens)
         stale = service.run(workload, prompts, give_up, label="admit-by-estimate, stale")
     return LiveExperiment(calibration, workload, warm, runs, stale,
                           (stale_warmups, stale_prompt_tokens, max_tokens), *estimates, every)
@@ -407,64 +413,179 @@ def run_experiment(services: dict[str, LiveService], text_ids: Sequence[int], co
 
 def order_across_rounds(rounds: Sequence[Sequence[LiveRun]]) -> dict:
     """How the policies ranked by requests answered in time, round by round: `in_time`
-    (policy -> its count in each round), `agreed` (pairs (a, b) where a answered more in
-    time than b in every round) and `disputed` (pairs the rounds ordered differently, or
-    tied in one)."""
+    (policy -> its count in each round), `spread` (policy -> how far its count moved between
+    rounds, max - min), `agreed` (pairs (a, b) where a answered more in time than b in every
+    round, each time by more than the spread of a and of b: nothing changed between rounds but
+    the machine's moment, so a smaller difference is one that moment can make) and `disputed`
+    (every other pair: ordered differently, tied, or apart by no more than the spread)."""
     in_time = {run.policy: [] for run in rounds[0]}
     for runs in rounds:
         for run in runs:
             in_time[run.policy].append(run.counts()["in_time"])
+    spread = {p: max(c) - min(c) for p, c in in_time.items()}
     agreed, disputed = [], []
     names = list(in_time)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            signs = {(x > y) - (x < y) for x, y in zip(in_time[a], in_time[b])}
-            if signs == {1}:
+            diffs = [x - y for x, y in zip(in_time[a], in_time[b])]
+            moved = max(spread[a], spread[b])
+            if all(d > moved for d in diffs):
                 agreed.append((a, b))
-            elif signs == {-1}:
+            elif all(-d > moved for d in diffs):
                 agreed.append((b, a))
             else:
                 disputed.append((a, b))
-    return {"in_time": in_time, "agreed": agreed, "disputed": disputed}
+    return {"in_time": in_time, "spread": spread, "agreed": agreed, "disputed": disputed}
 
 
-def source_order_phrase(rounds: Sequence[Sequence[LiveRun]]) -> str:
-    """Whether each round's answers in time rise in `POLICIES` order, as the source's do
-    (unbounded fewest, admit-by-estimate most): a sentence for one round or several."""
-    same = [[r.counts()["in_time"] for r in runs] == sorted(r.counts()["in_time"] for r in runs)
-            for runs in rounds]
-    every = "" if len(rounds) == 1 else " in every round"
-    if all(same):
-        return "The order of the four is the source's" + every
-    if not any(same):
-        return "The order of the four differs from the source's" + every
-    which = ", ".join(str(i + 1) for i, s in enumerate(same) if s)
-    return f"The order of the four is the source's in round {which} but not in the others"
+def ranked(order: dict, a: str, b: str) -> int:
+    """1 if `order` (from `order_across_rounds`) puts a above b, -1 if below, 0 if its rounds
+    cannot order them."""
+    return 1 if (a, b) in order["agreed"] else -1 if (b, a) in order["agreed"] else 0
+
+
+def _rounds_word(rounds: int) -> str:
+    return "both rounds" if rounds == 2 else f"all {rounds} rounds"
+
+
+def _rounds_subject(rounds: int) -> str:
+    return "This one round" if rounds == 1 else "The two rounds" if rounds == 2 else f"The {rounds} rounds"
+
+
+def _and(items: Sequence[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def source_order_phrase(order: dict) -> str:
+    """Whether `order` bears out the source's order (answers in time rising in `POLICIES`
+    order, unbounded fewest), pair of neighbours by pair: a sentence that claims an order only
+    where `order_across_rounds` does."""
+    rounds = len(next(iter(order["in_time"].values())))
+    pairs = list(zip(sim.POLICIES, sim.POLICIES[1:]))
+    verdict = {(a, b): ranked(order, b, a) for a, b in pairs}  # 1: b above a, as the source
+    if all(v == 1 for v in verdict.values()):
+        return ("The order of the four is the source's" + (" in this one round" if rounds == 1 else
+                f" in {_rounds_word(rounds)}, each neighbour further apart than either's count "
+                "moved between rounds"))
+    one = rounds == 1
+    pronoun, put = ("it", "puts") if one else ("they", "put")
+    parts = []
+    if unsure := [f"{a} against {b}" for (a, b), v in verdict.items() if v == 0]:
+        parts.append(f"{pronoun} cannot order {_and(unsure)}")
+    if against := [f"{a} above {b}" for (a, b), v in verdict.items() if v == -1]:
+        parts.append(f"{pronoun} {put} {_and(against)}, against the source")
+    if any(v == 1 for v in verdict.values()):
+        how = "bears out only part of" if one else "bear out only part of"
+    else:
+        how = "does not bear out" if one else "do not bear out"
+    return f"{_rounds_subject(rounds)} {how} the source's order: {'; '.join(parts)}"
 
 
 def rounds_phrase(order: dict) -> str:
-    """`order_across_rounds` in a sentence that claims only what every round showed."""
+    """`order_across_rounds` in a sentence that claims only what every round showed, by more
+    than the policies' counts moved between rounds."""
     rounds = len(next(iter(order["in_time"].values())))
     if rounds == 1:
-        return "With one round, the order of the policies is this run's alone."
+        return ("With one round, how far a policy's count moves between runs is not measured, "
+                "so the order of the policies is this run's alone.")
+    total = len(order["agreed"]) + len(order["disputed"])
     if not order["disputed"]:
-        return f"All {rounds} rounds put the policies in the same order."
-    pairs = "; ".join(f"{a} against {b}" for a, b in order["disputed"])
-    return (f"The {rounds} rounds agreed on {len(order['agreed'])} of the "
-            f"{len(order['agreed']) + len(order['disputed'])} pairs of policies and ordered "
-            f"these differently: {pairs}. Those differences are within what the machine's "
-            "drift between runs can do, not a ranking of the policies.")
+        return (f"{_rounds_word(rounds).capitalize()} put the policies in the same order, every "
+                "pair further apart than either's count moved between rounds.")
+    pairs = _and([f"{a} against {b}" for a, b in order["disputed"]])
+    moved = ("the counts moved from one round to the next "
+             f"({', '.join(f'{p} by {m}' for p, m in order['spread'].items())})")
+    if not order["agreed"]:
+        return (f"{_rounds_subject(rounds)} cannot order any pair of policies: each difference is "
+                f"no larger in some round than how far {moved}.")
+    return (f"{_rounds_subject(rounds)} order {len(order['agreed'])} of the {total} pairs of policies "
+            f"the same way, each by more than either's count moved between rounds; they cannot "
+            f"order {pairs}, whose differences are no larger in some round than how far {moved}.")
+
+
+def unbounded_rank_phrase(order: dict) -> str:
+    """Where the unbounded queue's answers in time stand among the others, claiming only the
+    pairs `order_across_rounds` orders."""
+    rounds = len(next(iter(order["in_time"].values())))
+    others = [p for p in order["in_time"] if p != "unbounded"]
+    rank = {p: ranked(order, p, "unbounded") for p in others}
+    if all(v == 1 for v in rank.values()):
+        return "the fewest of the four" + (" in this one round" if rounds == 1 else
+                                           f" in {_rounds_word(rounds)}, by more than any of "
+                                           "their counts moved between rounds")
+    claims = []
+    if above := [p for p, v in rank.items() if v == 1]:
+        claims.append("fewer than " + _and(above))
+    if below := [p for p, v in rank.items() if v == -1]:
+        claims.append("more than " + _and(below))
+    unsure = [p for p, v in rank.items() if v == 0]
+    if not unsure:
+        return " and ".join(claims)
+    counts = _and([f"{p} {' and '.join(map(str, order['in_time'][p]))}" for p in unsure])
+    mine = " and ".join(map(str, order["in_time"]["unbounded"]))
+    why = (f"({counts}, against its own {mine}: "
+           + ("tied)" if rounds == 1 else "apart by no more than the counts moved between rounds)"))
+    if not claims:
+        return f"a count the rounds cannot order against any other policy's {why}"
+    return f"{' and '.join(claims)}, but the rounds cannot order it against {_and(unsure)} {why}"
+
+
+def stale_verdict_phrase(stale_in_time: int, fresh_in_time: Sequence[int]) -> str:
+    """How the stale run's answers in time compare with the same service's counts in the
+    rounds (`fresh_in_time`, one per round): a difference no larger than those counts moved
+    between rounds with nothing changed is not called fewer or more."""
+    d = stale_in_time - fresh_in_time[0]
+    lo, hi = min(fresh_in_time), max(fresh_in_time)
+    if len(fresh_in_time) > 1 and abs(d) <= hi - lo:
+        return ("a difference no larger than its count moved between rounds with nothing "
+                f"changed, {lo} to {hi}")
+    if d == 0:
+        return "as many"
+    word = "fewer" if d < 0 else "more"
+    if len(fresh_in_time) == 1:
+        return (f"{abs(d)} {word}, though with one round how far its count moves between runs "
+                "is not measured")
+    return f"{abs(d)} {word}, a difference larger than its count moved between rounds ({lo} to {hi})"
 
 
 # -- the simulator on the live workload ---------------------------------------------------------------
 
-def engine_gap_s(run: LiveRun) -> float:
-    """Median engine idle time between one request's finish and the next one's start, over
-    the pairs where the next had already been sent (the queue was not empty): the step of
-    scheduling work a request occupies the engine for beyond its own prefill and decode."""
+def engine_gaps_s(run: LiveRun) -> list[float]:
+    """Engine time between one served request's finish and the next one's start, for each
+    pair where the next had already been sent (the queue was not empty): a scheduling step,
+    plus any engine time spent on a request between them that was never answered (a prefill
+    begun and then dropped; an error answer carries no Server-Timing, so this is where such
+    work shows)."""
     spans = sorted((span[0], span[1], r.sent_s) for r in run.records if (span := engine_span(r)))
-    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[2] < a[1]]
+    return [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[2] < a[1]]
+
+
+def engine_gap_s(run: LiveRun) -> float:
+    """Median of `engine_gaps_s`: the step of scheduling work a request occupies the engine
+    for beyond its own prefill and decode (a median: blind to a few long gaps)."""
+    gaps = engine_gaps_s(run)
     return float(np.median(gaps)) if gaps else 0.0
+
+
+def engine_idle_s(run: LiveRun) -> float:
+    """Sum of `engine_gaps_s`: all the engine time, while requests waited, that went to no
+    answer (idle, scheduling, or work thrown away)."""
+    return float(np.sum(engine_gaps_s(run)))
+
+
+def waste_phrase(idle_s: dict[str, float], request_s: float, policy: str = "drop-expired") -> str:
+    """`policy`'s total engine time between answers (`engine_idle_s`, per policy in `idle_s`)
+    against the largest of the other policies', in a sentence; a difference of more than one
+    request's engine time `request_s` is called a cost, a smaller one is not."""
+    mine = idle_s[policy]
+    others = max(v for p, v in idle_s.items() if p != policy)
+    head = (f"Under {policy} that time came to {mine:.2f} s over the run, against at most "
+            f"{others:.2f} s under the other policies")
+    excess = mine - others
+    if excess > request_s:
+        return f"{head}: {excess:.2f} s more, the engine time of about {excess / request_s:.0f} requests"
+    return f"{head}: less than one request's engine time more, so in this run it cost little"
 
 
 def replay_requests(run: LiveRun, seed: int = 0, gap_s: float | None = None) -> list[sim.Request]:
@@ -657,10 +778,10 @@ def plot_stale(axes, rows: Sequence[dict]) -> None:
                     label=k.replace("_", " "))
         ax.axvline(1.0, ls="--", lw=1, color="grey")
         ax.set_xscale("log")
-        ticks = [0.5, 0.7, 1.0, 1.4, 2.0]
+        ticks = [t for t in (0.5, 0.7, 1.0, 1.4, 2.0, 4.0) if min(factor) <= t <= max(factor)]
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.minorticks_off()
         ax.set(xlabel="estimate / true mean service", ylim=(0, None))
-        ax.text(0.02, 0.97, name, transform=ax.transAxes, va="top", fontsize=9)
+        ax.set_title(name, fontsize=9)  # above the axes: inside, it sat on a curve
     axes[0].set_ylabel("requests (mean of seeds)")
     axes[0].legend(loc="center left", fontsize=8)

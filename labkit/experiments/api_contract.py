@@ -329,6 +329,18 @@ def build_catalogue(model: str, tokenizer, *, context_tokens: int, vocab_size: i
     return out
 
 
+# The catalogue's rules are `labkit serve`'s own (labkit/serve/README.md). Most follow OpenAI's
+# API; these requests are refused by a policy of ours, not by a behaviour of OpenAI's API or a
+# rule of JSON. A foil's 200 to one of them is wrong only by our rules.
+LABKIT_POLICY = {
+    "duplicate keys": "valid JSON (RFC 8259: names SHOULD be unique), which we refuse",
+    "nested 10,000 deep": "valid JSON; RFC 8259 lets a parser limit the depth, and ours does",
+    "oversized body (1 MiB)": "our own limit on a body (--max-body-bytes)",
+    "top_p 0": "OpenAI's API accepts a top_p of 0; ours asks for 0 < top_p <= 1",
+    "unsupported option (echo)": "OpenAI's completions take echo; ours refuses it by name",
+}
+
+
 # -- sending it --------------------------------------------------------------------------------
 
 @dataclass
@@ -560,12 +572,35 @@ class StageProfile:
     samples: list[dict[str, float]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    clamped: list[tuple[str, ...]] = field(default_factory=list)  # per repeat: see stage_sample
 
     def median(self, stage: str) -> float:
         return statistics.median(s[stage] for s in self.samples)
 
+    @property
+    def clamped_repeats(self) -> int:
+        """Repeats in which some span was negative and reads as zero (:func:`stage_sample`)."""
+        return sum(1 for c in self.clamped if c)
+
     def quantile(self, stage: str, q: float) -> float:
         return Timing(stage, [s[stage] for s in self.samples], 0, 0).quantile(q)
+
+
+def stage_sample(header: str, wall_ms: float) -> tuple[dict[str, float], tuple[str, ...]]:
+    """One repeat's stages (ms) from its `Server-Timing` header, with the client's `wall` and
+    `other` (wall less every stage), and the names of the spans that read zero.
+
+    The service writes a negative span as zero (it clamps), so a stage of exactly 0 at the
+    header's 1 µs resolution is a span whose end was stamped before its start (two stages
+    overlapped), or one under half a microsecond; and stages that add up to more than the
+    client's wall time leave `other` negative, which is clamped here too. Either way the
+    clamp is named in the second element, so a caller can count and report it."""
+    stages = parse_server_timing(header)
+    other = wall_ms - sum(stages.values())
+    clamped = tuple(name for name, ms in stages.items() if ms == 0.0)
+    if other < 0:
+        clamped += ("other",)
+    return stages | {"wall": wall_ms, "other": max(0.0, other)}, clamped
 
 
 def profile_stages(base_url: str, model: str, prompt_ids: Sequence[int], *, max_tokens: int = 32,
@@ -583,8 +618,9 @@ def profile_stages(base_url: str, model: str, prompt_ids: Sequence[int], *, max_
             r.raise_for_status()
             if i < warmup:
                 continue
-            stages = parse_server_timing(r.headers["server-timing"])
-            profile.samples.append(stages | {"wall": wall, "other": max(0.0, wall - sum(stages.values()))})
+            sample, clamped = stage_sample(r.headers["server-timing"], wall)
+            profile.samples.append(sample)
+            profile.clamped.append(clamped)
             answer = r.json()
             profile.texts.append(answer["choices"][0]["text"])
             details = answer["usage"].get("prompt_tokens_details") or {}
@@ -664,15 +700,66 @@ def probe_budget(base_url: str, model: str, text: str, *, repeats: int = 1, time
     return BudgetProbe(200, None, tokens, prefill)
 
 
+TREND_MIN_TOKENS = 250   # below this, a prefill's fixed cost spread over few tokens sets its cost per token
+PER_TOKEN_RISE = 1.2     # a fitted change of the per-token cost smaller than this factor is no trend
+
+
+@dataclass(frozen=True)
+class PrefillTrend:
+    """A straight line through prefill's cost per prompt token (ms) against prompt tokens,
+    fitted over the prompts of at least `min_tokens` tokens, read at its two ends."""
+
+    points: int
+    min_tokens: int
+    first_tokens: int
+    last_tokens: int
+    first_ms: float          # the line's cost per token at first_tokens
+    last_ms: float           # ... and at last_tokens
+    rise: float              # the factor a change must reach to count as one
+
+    @property
+    def growth(self) -> float:
+        return self.last_ms / self.first_ms
+
+    @property
+    def direction(self) -> str:
+        """"rose", "fell" or "flat" (a change within a factor of `rise` either way)."""
+        if self.growth >= self.rise:
+            return "rose"
+        return "fell" if self.growth <= 1 / self.rise else "flat"
+
+
+def prefill_trend(tokens: Sequence[int], prefill_ms: Sequence[float], *, min_tokens: int = TREND_MIN_TOKENS,
+                  rise: float = PER_TOKEN_RISE) -> PrefillTrend:
+    """Fit prefill's cost per prompt token against prompt tokens, over every prompt of at least
+    `min_tokens` tokens with a measured prefill (NaN: not served, left out). A line through
+    all those points, not the ratio of two of them: one noisy prompt cannot set the verdict,
+    and the shortest prompts, where a fixed cost spread over few tokens dominates, are left
+    out. Attention makes the per-token cost grow with the length; a line that rises by
+    `rise` or more over the range says it does at these lengths."""
+    points = sorted((int(t), ms / t) for t, ms in zip(tokens, prefill_ms) if t >= min_tokens and math.isfinite(ms))
+    if len({t for t, _ in points}) < 2:
+        raise ValueError(f"need prompts of at least two lengths >= {min_tokens} tokens, got {points}")
+    slope, intercept = statistics.linear_regression([t for t, _ in points], [c for _, c in points])
+    first, last = points[0][0], points[-1][0]
+    first_ms, last_ms = intercept + slope * first, intercept + slope * last
+    if first_ms <= 0 or last_ms <= 0:
+        raise ValueError(f"the fitted cost per token is not positive over {first}-{last} tokens: {points}")
+    return PrefillTrend(len(points), min_tokens, first, last, first_ms, last_ms, rise)
+
+
 # -- figures -----------------------------------------------------------------------------------
 
 def plot_categories(ax, counts: dict[str, dict[str, int]]) -> None:
     """One horizontal bar per service: how many of its answers fell in each of
-    :data:`CATEGORIES` (the first two kinds are the right ones)."""
+    :data:`CATEGORIES` (the first two kinds are the right ones). A kind no service gave is
+    left out of the bars and the legend; each kind keeps its colour either way."""
     names = list(counts)
     for row, name in enumerate(names):
         left = 0
         for k, category in enumerate(CATEGORIES):
+            if not any(c[category] for c in counts.values()):
+                continue
             n = counts[name][category]
             ax.barh(row, n, left=left, color=OKABE_ITO[k % len(OKABE_ITO)],
                     label=category if row == 0 else None)
@@ -681,11 +768,17 @@ def plot_categories(ax, counts: dict[str, dict[str, int]]) -> None:
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set(xlabel="requests")
     ax.grid(axis="y", visible=False)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize=8, frameon=False)
+    # three columns below the axes: four ran past the figure's edges
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
+
+
+STAGE_FLOOR_MS = 1e-3   # the Server-Timing header's resolution: a zero is drawn here on the log axis
 
 
 def plot_stages(ax, stages) -> None:
-    """Median of each stage (log scale) per prompt length, whiskers from min to max.
+    """Median of each stage per prompt length, as a point on a log axis (a bar's length means
+    nothing there), whiskers from min to max; a zero (a clamped span, :func:`stage_sample`)
+    is drawn at :data:`STAGE_FLOOR_MS`.
     `stages`: rows with "prompt (tokens)", "stage", "median (ms)", "min (ms)", "max (ms)"."""
     lengths = sorted(set(stages["prompt (tokens)"]))
     names = [s for s in dict.fromkeys(stages["stage"]) if s != "wall"]
@@ -693,11 +786,11 @@ def plot_stages(ax, stages) -> None:
     for k, n in enumerate(lengths):
         rows = stages[stages["prompt (tokens)"] == n].set_index("stage").loc[names]
         y = [i + k * height for i in range(len(names))]
-        low = (rows["median (ms)"] - rows["min (ms)"]).clip(lower=0)
-        high = (rows["max (ms)"] - rows["median (ms)"]).clip(lower=0)
-        ax.barh(y, rows["median (ms)"].clip(lower=1e-3), height=height, xerr=[low, high],
-                color=OKABE_ITO[k % len(OKABE_ITO)], error_kw={"lw": 0.8},
-                label=f"{n:,}-token prompt")
+        median = rows["median (ms)"].clip(lower=STAGE_FLOOR_MS)
+        low = (median - rows["min (ms)"].clip(lower=STAGE_FLOOR_MS)).clip(lower=0)
+        high = (rows["max (ms)"].clip(lower=STAGE_FLOOR_MS) - median).clip(lower=0)
+        ax.errorbar(median, y, xerr=[low, high], fmt="o", ms=4, lw=0.8, capsize=2,
+                    color=OKABE_ITO[k % len(OKABE_ITO)], label=f"{n:,}-token prompt")
     ax.set_yticks([i + 0.4 - height / 2 for i in range(len(names))], names)
     ax.set_ylim(len(names) - 0.2, -0.6)
     ax.set_xscale("log")

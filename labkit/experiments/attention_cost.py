@@ -390,6 +390,52 @@ def speedups(df, baseline: str = "naive"):
     return pd.DataFrame(rows, columns=["shape_name", "dtype", "length", "impl", "ratio"])
 
 
+def largest_complete_length(df) -> int:
+    """The largest length at which no run of a sweep frame was skipped (every
+    implementation and shape measured): where a machine with less free memory skipped the
+    naive run at the longest length, the chapter reads its headline figures here instead
+    of at a NaN. Raises ValueError where every length had a skipped run."""
+    ran = df["skipped"].isna().groupby(df["length"]).all()
+    if not ran.any():
+        raise ValueError("every length of this sweep has a skipped run")
+    return int(ran[ran].index.max())
+
+
+def rate_fall(sizes: Sequence[float], rates: Sequence[float], within: float = 0.15) -> float:
+    """Where a read rate reached its level at the largest size: the smallest size from which
+    on every rate lies within `within` (a fraction) of the rate at the largest size. The
+    decode sweep's rates fall from cache rates to the memory rate; this says where, from the
+    measurement, rather than from the cache size the machine reports."""
+    pairs = sorted(zip(sizes, rates))
+    if not pairs:
+        raise ValueError("no sizes")
+    level = pairs[-1][1]
+    fall = pairs[-1][0]
+    for size, rate in reversed(pairs):
+        if abs(rate / level - 1) > within:
+            break
+        fall = size
+    return fall
+
+
+def closer_phrase(ratios: Sequence[float], a: str = "naive attention", b: str = "SDPA",
+                  margin: float = 1.2) -> str:
+    """Which of two implementations came closer to a reference, from the ratios of their
+    errors (`a`'s error / `b`'s, one per row): "SDPA was closer in every row, by 1.5 to 1.8
+    times", the same for `a`, or "neither was closer in every row by more than 1.2 times
+    (...)". A ratio within `margin` of 1 counts for neither."""
+    values = [float(r) for r in ratios]
+    if not values:
+        raise ValueError("no ratios")
+    low, high = min(values), max(values)
+    if low > margin:
+        return f"{b} was closer in every row, by {low:.1f} to {high:.1f} times"
+    if high < 1 / margin:
+        return f"{a} was closer in every row, by {1 / high:.1f} to {1 / low:.1f} times"
+    return (f"neither was closer in every row by more than {margin:g} times ({a}'s error "
+            f"over {b}'s from {low:.2f} to {high:.2f})")
+
+
 def _series(df):
     from labkit.util.palette import MARKERS
 
@@ -472,6 +518,7 @@ __all__ = [
     "AttentionShape", "SMOLLM2", "MHA12", "IMPLEMENTATIONS", "sdpa_enable_gqa",
     "attention_inputs", "element_bytes", "formula_bytes", "naive_peak_model",
     "default_schedule", "measure_attention", "sweep", "ulp", "reference_attention", "agreement",
-    "GiB", "MiB", "last_level_cache_bytes", "records_frame", "formula_table", "speedups", "plot_memory",
+    "GiB", "MiB", "last_level_cache_bytes", "records_frame", "formula_table", "speedups",
+    "largest_complete_length", "rate_fall", "closer_phrase", "plot_memory",
     "plot_times", "plot_ratios", "plot_decode_bandwidth",
 ]

@@ -199,14 +199,51 @@ def lower_or_higher(comparison: Comparison) -> str:
     return f"within the noise (ratio {comparison.ratio:.2f}, {interval})"
 
 
-def ttft_verdict(ours: Sequence[float], theirs: Sequence[float]) -> str:
-    """:func:`lower_or_higher` of :func:`ttft_comparison`, or "not compared (...)" when a group
-    has too few requests for an interval (the ci profile's single long request)."""
+# Fewest requests in a group for a bootstrap interval of its median to mean something: with
+# 4 values a resample has only a handful of distinct medians, and the "95% interval" is little
+# more than the sample's own range. Smaller groups are compared request by request instead.
+MIN_INTERVAL_REQUESTS = 10
+
+
+def paired_verdict(ours: Sequence[float], theirs: Sequence[float]) -> str:
+    """`ours` against `theirs` for the same requests in the same order (one scheduler's TTFTs
+    against another's), request by request and with no interval: "higher for each of the 4
+    requests (each waited 1.60-4.20 times as long as under the other)", "lower for each of
+    ...", or "higher for some of the 4 requests and not for others (...)". A direction is
+    claimed only when every request agrees."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"pairs need the same requests on both sides, got {len(ours)} and {len(theirs)}")
+    if min(*ours, *theirs) <= 0:
+        raise ValueError("a time to first token is positive")
+    ratios = [o / t for o, t in zip(ours, theirs)]
+    n, low, high = len(ratios), min(ratios), max(ratios)
+    if low > 1.0:
+        return (f"higher for each of the {n} requests (each waited {low:.2f}-{high:.2f} times "
+                f"as long as under the other)")
+    if high < 1.0:
+        return (f"lower for each of the {n} requests (under the other each waited "
+                f"{1 / high:.2f}-{1 / low:.2f} times as long)")
+    return (f"higher for some of the {n} requests and not for others (ratios {low:.2f}-"
+            f"{high:.2f}, request by request)")
+
+
+def ttft_verdict(ours: Sequence[float], theirs: Sequence[float],
+                 min_interval: int = MIN_INTERVAL_REQUESTS) -> str:
+    """:func:`lower_or_higher` of :func:`ttft_comparison` (a bootstrap interval of the ratio of
+    medians) for groups of at least `min_interval` requests; :func:`paired_verdict` for
+    smaller groups of the same requests; "not compared (...)" when a group has fewer than
+    `MIN_SAMPLES` requests (the ci profile's single long request) or a small group's two
+    sides are not the same requests."""
     fewest = min(len(ours), len(theirs))
     if fewest < MIN_SAMPLES:
-        return (f"not compared ({fewest} request(s) in the group; an interval needs at least "
+        return (f"not compared ({fewest} request(s) in the group; a comparison needs at least "
                 f"{MIN_SAMPLES})")
-    return lower_or_higher(ttft_comparison(ours, theirs))
+    if fewest >= min_interval:
+        return lower_or_higher(ttft_comparison(ours, theirs))
+    if len(ours) != len(theirs):
+        return (f"not compared ({len(ours)} and {len(theirs)} requests: too few for an "
+                f"interval, and not the same requests to pair)")
+    return paired_verdict(ours, theirs)
 
 
 def times_phrase(a: float, b: float) -> str:

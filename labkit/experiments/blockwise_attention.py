@@ -195,6 +195,44 @@ def compare_at(df, a: str, b: str, length: int):
     return compare(samples(a), samples(b), name_a=a, name_b=b)
 
 
+def speed_owner(loop_vs_naive, fused_vs_loop) -> str:
+    """One sentence saying who owns the fused kernel's speed over naive attention, read
+    from two :class:`labkit.util.compare.Comparison` results (ratio = median(b) / median(a)):
+    ``loop_vs_naive``, the block-wise loop (``a``) against naive attention (``b``), is what
+    the algorithm alone buys; ``fused_vs_loop``, the fused kernel against the loop, is what
+    compiling it into one kernel adds on top. The two multiply to the fused kernel's lead
+    over naive attention, so both are needed: judging from the second alone credits the
+    kernel with a speed-up the algorithm made. A step is credited only when its verdict is
+    "faster"; one share is called the larger only when the two intervals do not overlap.
+    Every branch reads true for its outcome."""
+    algo, kernel = loop_vs_naive, fused_vs_loop
+    head = "The memory saving belongs to the algorithm"
+
+    def step(c, who, against):
+        if c.verdict == "faster":
+            return f"{who} was {c.ratio:.2f} times as fast as {against}"
+        if c.verdict == "slower":
+            return f"{who} was slower than {against} ({c.ratio:.2f} times its speed)"
+        return f"{who} was not faster than {against} beyond the noise (ratio {c.ratio:.2f})"
+
+    loop = step(algo, "the loop alone", "naive attention")
+    fused = step(kernel, "the fused kernel", "the loop")
+    if algo.verdict == "faster" and kernel.verdict == "faster":
+        if algo.low > kernel.high:
+            share = "more of the fused kernel's lead came with the algorithm than with the kernel"
+        elif kernel.low > algo.high:
+            share = "more of the fused kernel's lead came with the kernel than with the algorithm"
+        else:
+            share = "neither share is clearly the larger"
+        return (f"{head}, and here both own part of the speed: {loop}, and the fused kernel "
+                f"{kernel.ratio:.2f} times as fast again as the loop, so {share}.")
+    if algo.verdict == "faster":
+        return f"{head}, and here so does the speed: {loop}, and {fused}."
+    if kernel.verdict == "faster":
+        return f"{head}; the speed belongs to the kernel: {loop}, while {fused}."
+    return f"{head}; here neither owns a speed-up beyond the noise: {loop}, and {fused}."
+
+
 def time_ratios(df, pairs):
     """For each length, ``median_s`` of one method divided by another's (both from the same
     run): ``pairs`` is a list of ``(numerator, denominator)`` method names. Columns: length,
@@ -289,5 +327,5 @@ def plot_ratios(ax, ratios) -> None:
 
 
 __all__ = ["AllocationPeak", "allocation_peak", "compare_methods", "compare_at",
-           "records_frame", "time_ratios",
+           "records_frame", "speed_owner", "time_ratios",
            "plot_peaks", "plot_times", "plot_ratios", "plot_block_sizes"]

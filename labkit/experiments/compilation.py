@@ -116,6 +116,42 @@ def inductor_cache_for_this_cpu() -> str:
     return path
 
 
+def no_compiler_reason(error: BaseException) -> str | None:
+    """Why a compiled call could not run, where `error` (what it raised) comes from Inductor
+    finding no working C++ compiler (`InvalidCxxCompiler`, however Dynamo wrapped it: as the
+    `inner_exception` of an `InductorError`, a cause or a context, or only by name in the
+    message of an error from a compile worker); None for any other error, which is a bug to
+    show, not a fact about the machine."""
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, InvalidCxxCompiler) or "InvalidCxxCompiler" in str(e):
+            return "Inductor found no working C++ compiler in this process's environment"
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+    return None
+
+
+def first_call(call) -> tuple[float, str | None]:
+    """Run and time the first call of a compiled function: (seconds, None), or (NaN, why)
+    where Inductor found no working C++ compiler (`no_compiler_reason`), so that a chapter
+    records its compiled measurements as NOT_RUN with the reason instead of stopping on a
+    machine without one. Any other error propagates."""
+    start = time.perf_counter()
+    try:
+        call()
+    except Exception as error:
+        why = no_compiler_reason(error)
+        if why is None:
+            raise
+        return math.nan, why
+    return time.perf_counter() - start, None
+
+
 def compile_step(counter: CompileCounter | None = None, **options):
     """`torch.compile(forward_step)`, with `counter` as the backend if given. Dynamo's caches
     are reset first, so graphs from earlier experiments cannot serve this one."""

@@ -14,6 +14,8 @@ Three kinds of accounting for the two hand-written forward passes
 - **time** per component (:func:`time_llama_components`): each operation of the Llama
   forward pass run on its own, over all layers, with the model's real weights, through
   :func:`labkit.util.timing.measure`; and the whole pass (:func:`llama_forward_call`).
+  :func:`share_follows` says which of two predicted shares (bytes, FLOPs) a measured time
+  share follows, or that its range cannot tell.
 
 Plus :func:`agreement`, the check of our logits against a reference's, and
 :func:`gguf_raw_rope_rows`, the Q/K weights as a GGUF file stores them (before the
@@ -428,11 +430,39 @@ def time_llama_components(model, new_tokens: int, context: int = 0, *, repeats: 
     return rows
 
 
+def share_follows(low: float, high: float, predicted: dict[str, float]) -> str | None:
+    """Which of two predicted shares a measured time share follows, judged on its measured
+    range [``low``, ``high``] (an interquartile range, say) so that noise cannot decide it.
+
+    ``predicted`` names two shares (e.g. ``{"bytes": 0.042, "FLOPs": 0.118}``). With ``gap``
+    the distance between them, a prediction's name is returned only when the whole range lies
+    within a third of ``gap`` of it; ``"above"`` or ``"below"`` when the whole range lies more
+    than a third of ``gap`` beyond both; ``None`` otherwise (between the two, or spanning
+    more than one of these zones): too close to both to name one."""
+    if low > high:
+        raise ValueError(f"low {low} exceeds high {high}")
+    if len(predicted) != 2:
+        raise ValueError(f"two predicted shares, got {len(predicted)}")
+    (name_lo, lo), (name_hi, hi) = sorted(predicted.items(), key=lambda kv: kv[1])
+    zone = (hi - lo) / 3
+    if zone <= 0:
+        return None  # the two predictions coincide: no measurement can tell them apart
+    if lo - zone <= low and high <= lo + zone:
+        return name_lo
+    if hi - zone <= low and high <= hi + zone:
+        return name_hi
+    if low > hi + zone:
+        return "above"
+    if high < lo - zone:
+        return "below"
+    return None
+
+
 __all__ = [
     "ELEMENTWISE_FLOPS", "MATMUL_COMPONENTS", "LLAMA_COMPONENTS", "GPT2_COMPONENTS",
     "TIMED_COMPONENTS", "llama_component_params", "gpt2_component_params",
     "llama_decode_bytes",
     "llama_component_flops", "gpt2_component_flops", "matmul_flops", "counted_flops",
     "agreement", "permute_rope_rows", "gguf_raw_rope_rows", "llama_forward_call",
-    "llama_component_calls", "time_llama_components",
+    "llama_component_calls", "time_llama_components", "share_follows",
 ]

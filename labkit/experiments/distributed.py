@@ -13,9 +13,12 @@ that this module reads back.
 * :func:`run_comm_bench`: all-reduce and send/recv (a ring, the pipeline's pattern) over a
   range of message sizes at one process count.
 * :func:`fit_linear_cost`: latency + bytes / bandwidth fitted to those timings.
+* :class:`MeasuredCost` (:func:`measured_comm`): the benchmark's medians themselves, read
+  at any size between two measured ones; :class:`RingAllReduce`: an all-reduce priced as
+  2(N - 1) hops of a ring; :func:`band_verdict`: whether two costs count as the same.
 * :func:`measure_compute`, :func:`tensor_parallel_cost`, :func:`pipeline_cost`: a cost
   model of the time per token, calibrated from single-process compute timings and the
-  fitted communication costs, for ranks that share the machine's cores or have their own.
+  measured communication costs, for ranks that share the machine's cores or have their own.
 
 Threads: every rank gets `threads_per_rank(N)` = max(1, cores // N) threads, so N ranks
 together never ask for more cores than there are, except where N > cores (one thread each,
@@ -30,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -258,6 +262,86 @@ def fit_linear_cost(nbytes: Sequence[float], seconds: Sequence[float]) -> Linear
     return LinearCost(latency, 1.0 / per_byte if per_byte > 0 else float("inf"))
 
 
+@dataclass(frozen=True)
+class MeasuredCost:
+    """time(bytes) read off a benchmark's medians: the median at a measured size, a straight
+    line between the two measured sizes around any other, and no extrapolation beyond the
+    smallest or the largest. Unlike a latency + bandwidth fit it cannot miss its own points:
+    where the medians do not follow a line (gloo's all-reduce on shared cores scatters from
+    one size to the next), the fit can sit several times below or above them."""
+
+    nbytes: tuple[float, ...]   # increasing
+    seconds: tuple[float, ...]
+
+    def __call__(self, nbytes: float) -> float:
+        xs, ys = self.nbytes, self.seconds
+        if not xs[0] <= nbytes <= xs[-1]:
+            raise ValueError(f"{nbytes} bytes is outside the measured sizes {xs[0]}..{xs[-1]}")
+        i = bisect_left(xs, nbytes)
+        if xs[i] == nbytes:
+            return ys[i]
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+
+    def bytes_share(self, nbytes: float) -> float:
+        """The share of time(nbytes) that its bytes account for, priced at the medians' rise
+        per byte from `nbytes` to the largest measured size (0 where they do not rise)."""
+        top = self.nbytes[-1]
+        if not nbytes < top:
+            raise ValueError("bytes_share needs a size below the largest measured one")
+        slope = max(0.0, (self.seconds[-1] - self(nbytes)) / (top - nbytes))
+        return min(1.0, nbytes * slope / self(nbytes))
+
+
+def measured_cost(nbytes: Sequence[float], seconds: Sequence[float]) -> MeasuredCost:
+    """A :class:`MeasuredCost` from (size, median) pairs in any order."""
+    pairs = sorted(zip(nbytes, seconds))
+    if len(pairs) < 2 or len({x for x, _ in pairs}) != len(pairs):
+        raise ValueError("need at least two different message sizes, each once")
+    return MeasuredCost(tuple(float(x) for x, _ in pairs), tuple(float(y) for _, y in pairs))
+
+
+def measured_comm(samples: Sequence[CommSample]) -> dict[tuple[str, int], MeasuredCost]:
+    """The medians of each (op, procs) as a :class:`MeasuredCost`."""
+    groups: dict[tuple[str, int], list[CommSample]] = {}
+    for s in samples:
+        groups.setdefault((s.op, s.procs), []).append(s)
+    return {key: measured_cost([s.nbytes for s in group], [s.median for s in group])
+            for key, group in groups.items()}
+
+
+@dataclass(frozen=True)
+class RingAllReduce:
+    """An all-reduce of N ranks priced as the textbook ring (a reduce-scatter, then an
+    all-gather): 2(N - 1) hops one after another, each carrying 1/N of the message. `hop`
+    prices one send/recv hop by its bytes."""
+
+    hop: Callable[[float], float]
+    procs: int
+
+    def __call__(self, nbytes: float) -> float:
+        if self.procs < 2:
+            return 0.0
+        return 2 * (self.procs - 1) * self.hop(nbytes / self.procs)
+
+
+SAME_COST_FACTOR = 1.5
+"""Two per-call communication costs within this factor of each other count as the same
+(a stated band, not derived from the run it judges). Gloo's isolated all-reduce medians at
+message sizes whose bytes cost next to nothing scatter by tens of percent from one size to
+the next, so a tighter band would call that scatter a finding."""
+
+
+def band_verdict(ratio: float, factor: float = SAME_COST_FACTOR) -> str:
+    """Where `ratio` (one cost over another) lies against the band [1/factor, factor]:
+    "above", "within" or "below"."""
+    if not factor > 1.0:
+        raise ValueError("the band's factor must exceed 1")
+    if ratio > factor:
+        return "above"
+    return "below" if ratio < 1.0 / factor else "within"
+
+
 # -- the cost model ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -369,6 +453,16 @@ def exactness_rows(runs: Sequence[RunResult], ref: Reference,
     return rows
 
 
+EXACTNESS_HEADERS = {
+    "threads_per_rank": "threads per rank", "tokens_identical": "runs with the library's tokens",
+    "ranks_agree": "ranks agree", "prompt_logit_max_diff": "largest logit diff., prompt",
+    "all_steps_logit_max_diff": "largest logit diff., all steps",
+    "same_threads_logit_max_diff": "vs. library on as many threads",
+    "excused": "runs excused at a near-tie"}
+"""Headers in words for :func:`exactness_rows`' columns as the chapter shows them (one row
+per configuration: counts of runs, largest differences over them)."""
+
+
 def timing_rows(runs: Sequence[RunResult]) -> list[dict]:
     """Per (mode, procs): the median decode step over every step of every repeat, its 95%
     bootstrap interval, and rank 0's communication calls per step and seconds per decode
@@ -407,26 +501,38 @@ def fit_comm(samples: Sequence[CommSample]) -> dict[tuple[str, int], LinearCost]
             for key, group in groups.items()}
 
 
+def _not_priced(nbytes: float) -> float:
+    return float("nan")
+
+
 def cost_rows(timing: Sequence[dict], compute: ComputeProfile,
-              fits: dict[tuple[str, int], LinearCost], layers: int, hidden: int,
-              cores: int = 2) -> list[dict]:
+              fits: dict[tuple[str, int], Callable[[float], float]], layers: int, hidden: int,
+              cores: int = 2, own_hop: Callable[[float], float] | None = None) -> list[dict]:
     """The cost model beside each measured (mode, procs): shared cores (this machine) and
-    a machine per rank, each split into compute and communication."""
+    a machine per rank, each split into compute and communication. `fits` prices each
+    (op, procs) call on this machine's shared cores (a :class:`LinearCost` fit or the
+    :class:`MeasuredCost` medians). A machine per rank must not pay a cost measured with
+    ranks sharing cores: it prices communication by `own_hop`, one send/recv hop measured
+    between processes that had a core each (an all-reduce as a :class:`RingAllReduce` of
+    it); without `own_hop` its split configurations are NaN (not priced)."""
     rows = []
     for row in timing:
         mode, procs = row["mode"], row["processes"]
+        hop = own_hop or _not_priced
         if mode == "tensor":
             fit = fits.get(("all_reduce", procs), LinearCost(0.0, float("inf")))
             shared = tensor_parallel_cost(procs, compute, fit, layers, hidden, cores=cores)
-            own = tensor_parallel_cost(procs, compute, fit, layers, hidden, cores=None)
+            own = tensor_parallel_cost(procs, compute, RingAllReduce(hop, procs), layers,
+                                       hidden, cores=None)
         else:
             fit = fits.get(("ring_hop", procs), LinearCost(0.0, float("inf")))
             shared = pipeline_cost(procs, compute, fit, hidden, cores=cores)
-            own = pipeline_cost(procs, compute, fit, hidden, cores=None)
+            own = pipeline_cost(procs, compute, hop, hidden, cores=None)
         rows.append({"mode": mode, "processes": procs,
                      "model_compute_ms": 1e3 * shared.compute_s, "model_comm_ms": 1e3 * shared.comm_s,
                      "model_shared_cores_ms": 1e3 * shared.total_s,
                      "model_own_cores_ms": 1e3 * own.total_s,
+                     "model_own_comm_ms": 1e3 * own.comm_s,
                      "measured_ms": row["median_ms"], "measured_comm_ms": row["comm_ms_per_token"],
                      "measured_over_model": row["median_ms"] / (1e3 * shared.total_s)})
     return rows

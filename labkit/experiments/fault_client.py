@@ -136,11 +136,13 @@ class Poller:
     """GET `/metrics` and `/health` over one kept-alive connection that acknowledges every
     segment at once (`TCP_QUICKACK`, Linux).
 
-    The service's sockets leave Nagle's algorithm on, so a response written in two pieces
+    Where a server's socket leaves Nagle's algorithm on, a response written in two pieces
     (headers, then body) waits for the client's acknowledgement of the first, and a client
-    that delays its acknowledgements (Linux: up to 40 ms) makes every kept-alive poll take
-    about 40 ms. Acknowledging at once takes that artefact out of a measurement that polls
-    (:func:`labkit.experiments.faults.disconnects`); `quickack=False` shows it."""
+    that delays its acknowledgements (Linux: 40 ms at the least) makes every kept-alive poll
+    take that long. The service now turns Nagle off (`TCP_NODELAY`,
+    tests/test_serve_socket.py), so against it `quickack=False` and `True` should time the
+    same; acknowledging at once keeps a measurement that polls
+    (:func:`labkit.experiments.faults.disconnects`) clear of that stall on any server."""
 
     QUICKACK = getattr(socket, "TCP_QUICKACK", None)
 

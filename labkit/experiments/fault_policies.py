@@ -48,7 +48,9 @@ def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: i
     of `client_timeout_s`: when is its KV freed, and does the engine stop stepping? (2) With
     every engine slot taken by a long stream (`prompts[1:]`, one per slot of
     `--max-num-seqs`), a request with `deadline_ms` and one with none wait: the first is
-    dropped (`--queue-policy drop-expired`), the second waits its turn and is answered."""
+    dropped (`--queue-policy drop-expired`), the second waits its turn and is answered. The
+    fillers are stopped right after the drop, so the second then gets a slot at once: its
+    time says nothing about whether the dropped one could have met its deadline."""
     impatient = Outcome("client timeout", "whole, client timeout")
     fillers = [Outcome(f"filler-{i}", "stream") for i in range(len(prompts) - 1)]
     waiting = Outcome("deadline, waiting", "whole, deadline")
@@ -87,7 +89,7 @@ def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: i
                 return (await poller.metrics()).get("labkit_queue_length") == 1
             found["queue_shrank_after_s"] = await fc.await_until(shrank, timeout=10)
             found["fillers_running_at_drop"] = sum(not t.done() for t in run)
-            leave.set()
+            leave.set()   # the fillers leave at their next chunk: the patient request runs next
             await asyncio.gather(*run, late)
         found["dropped_counted"] = (await poller.metrics())[DROPPED] - found["dropped_before"]
 
@@ -103,8 +105,11 @@ def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: i
         [impatient, waiting, patient] + fillers,
         {k: v for k, v in found.items() if k.endswith("_s")} | {"client_timeout_s": client_timeout_s},
         {k: v for k, v in found.items() if not k.endswith("_s")}
-        # a latency bound, this machine's: reported, not a claim the scenario must hold
-        | {"dropped_before_deadline": waiting.seconds is not None and waiting.seconds <= deadline_ms / 1e3 + 0.1},
+        | {"deadline_ms": deadline_ms, "waiting_tokens": waiting_tokens, "filler_tokens": filler_tokens}
+        # a latency bound, this machine's: reported, not a claim the scenario must hold. The
+        # client's seconds hold the server's arrival-to-drop time plus the way there and back,
+        # so a client time under the deadline means the drop came before it; no slack.
+        | {"dropped_before_deadline": waiting.seconds is not None and waiting.seconds < deadline_ms / 1e3},
         {"the client's timeout fired": impatient.ended == "left" and impatient.seconds >= client_timeout_s,
          "the service counted it as cancelled": found["cancelled_counted"] == 1,
          "the engine stopped stepping for it": found["steps_while_quiet"] == 0,
@@ -119,9 +124,10 @@ def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: i
 # -- f. retries -------------------------------------------------------------------------------
 
 async def _retrying_stream(client, url, request: dict, policy: str, out: Outcome, got: asyncio.Event,
-                           kill_after: int, max_attempts: int) -> None:
+                           kill_after: int, max_attempts: int, attempt_chunks: list[int] | None = None) -> None:
     """A streaming client that shows every chunk it receives and, after a failed attempt,
-    retries the same request if `should_retry(policy, ...)` says so."""
+    retries the same request if `should_retry(policy, ...)` says so. The text chunks of
+    each attempt are appended to `attempt_chunks` (if given)."""
     out.sent_at = time.perf_counter()
     while True:
         attempt = Outcome(out.label, out.kind)
@@ -129,6 +135,8 @@ async def _retrying_stream(client, url, request: dict, policy: str, out: Outcome
                         on_chunk=lambda o: got.set() if o.chunks >= kill_after else None)
         out.text += attempt.text
         out.parts.append(attempt.text)
+        if attempt_chunks is not None:
+            attempt_chunks.append(attempt.chunks)
         out.chunks += attempt.chunks
         out.status, out.code, out.ended, out.shape_ok = attempt.status, attempt.code, attempt.ended, attempt.shape_ok
         if attempt.ended == "answer" or not should_retry(policy, status=attempt.status, code=attempt.code,
@@ -169,6 +177,7 @@ def retries(url: str, prompt, sampled_prompt, max_tokens: int, *, kill_after: in
     sampled = Outcome("naive, sampled", "stream, naive retry")
     fresh = Outcome("safe, sent during the restart", "whole, safe retry", expected=solo)
     marks: dict = {}
+    chunks: list[list[int]] = [[], [], []]   # text chunks of each attempt, per streaming client
 
     async def go():
         async with async_client() as client:
@@ -177,8 +186,8 @@ def retries(url: str, prompt, sampled_prompt, max_tokens: int, *, kill_after: in
                     (body(prompt, max_tokens), "safe", safe),
                     (body(sampled_prompt, max_tokens, temperature=temperature), "naive", sampled)]
             tasks = [asyncio.create_task(_retrying_stream(client, url, request, policy, out, g, kill_after,
-                                                          max_attempts))
-                     for (request, policy, out), g in zip(plan, got)]
+                                                          max_attempts, n))
+                     for (request, policy, out), g, n in zip(plan, got, chunks)]
             await asyncio.wait_for(asyncio.gather(*(g.wait() for g in got)), 120)
             marks["pid"], marks["kill"] = fc.kill_worker(url)
 
@@ -199,6 +208,9 @@ def retries(url: str, prompt, sampled_prompt, max_tokens: int, *, kill_after: in
         [naive, safe, sampled, fresh],
         {"fresh_seconds": fresh.seconds},
         {"naive_shown_chars": len(naive.text), "solo_chars": len(solo), "duplicated_chars": len(partial),
+         # chunks each streaming client had shown when its first attempt broke (the kill came
+         # once each had `kill_after`; more may have arrived before the error event)
+         "first_attempt_chunks": [n[0] if n else 0 for n in chunks], "kill_after": kill_after,
          "sampled_first_difference": differs_at, "fresh_attempts": fresh.attempts},
         {"naive: the shown text is the partial text and then the whole answer":
              naive.ended == "answer" and naive.attempts >= 2 and bool(partial) and naive.text == partial + solo,

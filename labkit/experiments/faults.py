@@ -320,6 +320,8 @@ def worker_kill(url: str, prompts, max_tokens: int, queued_prompt, queued_tokens
                                                              for o in streams),
          "the official client raised it": all(o.code == "engine_died" for o in streams),
          "the waiting request was retried and answered": queued.status == 200,
+         # exact, not the near-tie rule: the streams have all ended, so the new worker runs it
+         # alone, one sequence as its solo run was: the same numerical path
          "its answer equals its solo run": bool(queued.matches),
          "one restart counted": state["restarts"] == restarts0 + 1,
          "a new worker": state["worker_pid"] not in (None, pid0)})
@@ -509,8 +511,8 @@ def disconnects(url: str, prompt, *, trials: int, max_tokens: int = 400, leave_a
     return Scenario(
         "disconnects", f"{trials} disconnects per mode ({', '.join(modes)}), each once the request "
                        f"held KV blocks", outcomes,
-        {"release_s": release, "release_lower_s": lower},
-        {"held_blocks": held, "cancelled_counted": counted},
+        {"release_s": release, "release_lower_s": lower, "jitter_s": jitter_s},
+        {"held_blocks": held, "cancelled_counted": counted, "max_tokens": max_tokens},
         {"every disconnect freed its blocks": all(len(v) == trials for v in release.values()),
          "blocks were held before each disconnect": all(b and b > 0 for v in held.values() for b in v),
          "the service counted each as cancelled": counted == trials * len(modes)})

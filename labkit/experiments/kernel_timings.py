@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.experiments.compilation import forward_step, greedy_run, prefill, step_at
-from labkit.util.timing import Timing, measure, measure_interleaved
+from labkit.util.timing import Timing, measure_interleaved
 from labkit.engine.paged_cache import KVPool, PagedBatch, causal_attention
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
@@ -20,6 +20,14 @@ from labkit.models.llama import MATRICES
 
 
 C_GEMV = "packed + C matrix-vector kernel"
+
+# The largest |difference| allowed between the C kernel's attention outputs and the reference's
+# (float32, the timings below): both sum a few hundred terms (up to 320 keys) in different orders.
+# Each output is a softmax-weighted mean of unit-normal values (|v| below about 5), and rounding
+# errors of about 2^-24 ~ 6e-8 relative per term grow like the square root of the number of
+# terms: sqrt(320) * 6e-8 * 5 ~ 5e-6, so 1e-5 holds with a factor of two to spare. A wrong
+# block, a missed position or a mis-scaled softmax moves the outputs by 1e-2 or more.
+ATTENTION_ERROR = 1e-5
 
 
 def matrix_kernel_models(model) -> dict:
@@ -98,26 +106,31 @@ def gathered_attention(pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor
 
 def decode_attention_timings(config, batch: int, longest: int, repeats: int,
                              seed: int = 0) -> dict[str, Timing | float | str]:
-    """Time one layer's decode attention both ways; `max_abs_diff` compares their outputs.
-    Without the C kernel here the C entry is the string NOT_RUN: <why>."""
+    """Time one layer's decode attention both ways, in turns (`measure_interleaved`, `repeats`
+    rounds, so that a slow spell of the machine falls on both); `max_abs_diff` compares their
+    outputs (see `ATTENTION_ERROR`). Without the C kernel here the C entry is the string
+    NOT_RUN: <why>, and nothing is compared."""
     pool, tables, lengths, q = random_pool(config, batch, longest, seed=seed)
-    out = {"context_tokens": int(lengths.sum()),
-           "gather + SDPA": measure(lambda: gathered_attention(pool, tables, lengths, q), repeats=repeats)}
-    if native.load() is None:
+    gather = lambda: gathered_attention(pool, tables, lengths, q)  # noqa: E731
+    ways = {"gather + SDPA": gather}
+    if native.load() is not None:
+        ways["C kernel"] = lambda: native.paged_decode_attention(pool.keys[0], pool.values[0],
+                                                                 tables, lengths, q)
+    out = {"context_tokens": int(lengths.sum()), **measure_interleaved(ways, rounds=repeats, warmup=2)}
+    if "C kernel" not in ways:
         out["C kernel"] = f"NOT_RUN: {native.why_unavailable()}"
         return out
-    run = lambda: native.paged_decode_attention(pool.keys[0], pool.values[0], tables, lengths, q)  # noqa: E731
-    out["C kernel"] = measure(run, repeats=repeats)
-    out["max_abs_diff"] = float((run() - gathered_attention(pool, tables, lengths, q)).abs().max())
+    out["max_abs_diff"] = float((ways["C kernel"]() - gather()).abs().max())
     return out
 
 
 def prefill_attention_timings(config, lengths: list[int], repeats: int,
                               seed: int = 0) -> dict[str, Timing | float | str]:
     """One layer's attention for a prefill step that packs whole prompts of these lengths,
-    timed both ways: SDPA's causal kernel on each prompt's own keys and values (the engine's
-    reference path), and the C kernel reading them from a paged pool (one call for the
-    step). `max_abs_diff` compares the outputs; without the C kernel its entry is NOT_RUN."""
+    timed both ways, in turns (`measure_interleaved`, `repeats` rounds): SDPA's causal kernel
+    on each prompt's own keys and values (the engine's reference path), and the C kernel
+    reading them from a paged pool (one call for the step). `max_abs_diff` compares the
+    outputs (see `ATTENTION_ERROR`); without the C kernel its entry is NOT_RUN."""
     g = torch.Generator().manual_seed(seed)
     kv_heads, group, dim = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     rows = sum(lengths)
@@ -132,10 +145,9 @@ def prefill_attention_timings(config, lengths: list[int], repeats: int,
             out[:, :, :, span] = causal_attention(q[:, :, :, span], k[:, :, span], v[:, :, span])
         return out
 
-    out = {"rows": rows, "causal SDPA per prompt": measure(sdpa, repeats=repeats)}
     if native.load() is None:
-        out["C kernel"] = f"NOT_RUN: {native.why_unavailable()}"
-        return out
+        timed = measure_interleaved({"causal SDPA per prompt": sdpa}, rounds=repeats, warmup=2)
+        return {"rows": rows, **timed, "C kernel": f"NOT_RUN: {native.why_unavailable()}"}
     # The engine's step over a pool whose blocks are handed out in random order: its first
     # call writes the prompts' keys and values; then the kernel alone is timed.
     block_size = 16
@@ -148,7 +160,8 @@ def prefill_attention_timings(config, lengths: list[int], repeats: int,
     rows_q = q[0].permute(2, 0, 1, 3).contiguous()
     run = lambda: native.paged_attention(pool.keys[0], pool.values[0], step.tables, step.tiles,  # noqa: E731
                                          rows_q, checked=True)
-    out["C kernel"] = measure(run, repeats=repeats)
+    out = {"rows": rows, **measure_interleaved({"causal SDPA per prompt": sdpa, "C kernel": run},
+                                               rounds=repeats, warmup=2)}
     out["max_abs_diff"] = float((attended - sdpa()).abs().max())
     return out
 

@@ -22,6 +22,7 @@ still the right one.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 
@@ -30,7 +31,8 @@ import torch
 from labkit.engine.loop import greedy_decode
 from labkit.experiments.naive_generation import generate_naive
 from labkit.util.compare import MIN_SAMPLES, compare
-from labkit.util.near_tie import flip_tolerance, greedy_agreement
+from labkit.experiments.path_agreement import LOGIT_ERROR, tolerance as near_tie_tolerance
+from labkit.util.near_tie import greedy_agreement
 from labkit.util.timing import measure_interleaved
 
 
@@ -67,7 +69,8 @@ def generate_uncached(model, prompt_ids: Sequence[int],
     return tokens, kept
 
 
-def cache_equivalence(model, prompt_ids: Sequence[int], steps: int) -> dict:
+def cache_equivalence(model, prompt_ids: Sequence[int], steps: int,
+                      logit_error: float = LOGIT_ERROR) -> dict:
     """Generate ``steps`` greedy tokens with and without the KV cache and compare.
 
     Returns a dict with ``cached`` and ``uncached`` (token ids), ``identical`` (bool),
@@ -75,9 +78,14 @@ def cache_equivalence(model, prompt_ids: Sequence[int], steps: int) -> dict:
     steps after the first differing token are left out, since their prefixes differ),
     ``max_abs_diff`` (the largest of those) and ``agreement``: the two token lists under the
     near-tie rule (:func:`labkit.util.near_tie.greedy_agreement`, the uncached path as the
-    reference, tolerance twice ``max_abs_diff``), whose ``.ok`` is the check (equal tokens,
-    or a first divergence at a gap rounding can close) and ``.excused`` says whether a
-    near-tie was excused.
+    reference), whose ``.ok`` is the check (equal tokens, or a first divergence at a gap
+    rounding can close) and ``.excused`` says whether a near-tie was excused.
+
+    The tolerance is twice the *stated* ``logit_error`` (the book's float32 bound,
+    :data:`labkit.experiments.path_agreement.LOGIT_ERROR`), never twice this run's own
+    ``max_abs_diff``: the reference's gap at a flip is at most the two paths' differences
+    there, so a tolerance taken from them would excuse every flip. The caller asserts
+    ``max_abs_diff <= logit_error``, the bound the tolerance stands on.
     """
     cached, cached_logits = generate_cached(model, prompt_ids, steps, keep_logits=True)
     uncached, uncached_logits = generate_uncached(model, prompt_ids, steps)
@@ -86,10 +94,36 @@ def cache_equivalence(model, prompt_ids: Sequence[int], steps: int) -> dict:
         diffs.append(float((a - b).abs().max()))
         if ta != tb:
             break
-    agreement = greedy_agreement(uncached, cached, uncached_logits, flip_tolerance(max(diffs)))
+    agreement = greedy_agreement(uncached, cached, uncached_logits, near_tie_tolerance(logit_error))
     return {"prompt_tokens": len(prompt_ids), "steps": steps, "cached": cached,
             "uncached": uncached, "identical": cached == uncached,
-            "step_max_abs_diff": diffs, "max_abs_diff": max(diffs), "agreement": agreement}
+            "step_max_abs_diff": diffs, "max_abs_diff": max(diffs), "logit_error": logit_error,
+            "agreement": agreement}
+
+
+def loop_work(prompt_tokens: int, new_tokens: int) -> dict:
+    """The forward passes of the two greedy loops and the token positions they process.
+
+    The cached loop (:func:`generate_cached`) prefills the prompt, then feeds each chosen
+    token but the last: ``new_tokens`` passes over ``prompt + new - 1`` positions in all.
+    The uncached loop (:func:`labkit.experiments.naive_generation.generate_naive`) runs step
+    ``k`` over the prompt and ``k`` tokens: as many passes, over ``new x prompt +
+    new (new - 1) / 2`` positions."""
+    if prompt_tokens < 1 or new_tokens < 1:
+        raise ValueError("a prompt of at least one token and at least one new token")
+    return {"passes": new_tokens, "cached_positions": prompt_tokens + new_tokens - 1,
+            "uncached_positions": new_tokens * prompt_tokens + new_tokens * (new_tokens - 1) // 2}
+
+
+def rate_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a rate of ``successes`` in ``trials`` (95% for z = 1.96):
+    the rates that ``trials`` draws would not tell apart from the one seen."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"{successes} successes in {trials} trials")
+    p, z2 = successes / trials, z * z
+    centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / (1 + z2 / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def speedup_curve(model, source_ids: Sequence[int], cases: Iterable[tuple[int, int]], *,

@@ -10,7 +10,7 @@ number of KV heads, and each way of cutting it is a choice about those heads:
   every six layers attending through a 512-token window, so a rolling cache keeps only 512
   positions there; see :class:`labkit.models.window_cache.RollingKVCache`).
 * :func:`gqa_repeat_kv` and :func:`gqa_read_once`: two kernels for one grouped-query decode
-  step. Many reference implementations (transformers' ``repeat_kv``) copy each shared KV
+  step. Many reference implementations (transformers' eager ``repeat_kv``) copy each shared KV
   head ``group`` times before an ordinary attention call; the copy is as large as a
   multi-head cache, so the step moves as many bytes as if the model had never shared its
   heads. Reading each KV head once for all the query heads that share it moves only the
@@ -165,7 +165,9 @@ def gqa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     head h meets KV head h // group, then ordinary multi-head attention runs.
 
     q [B, H, D], k, v [B, KV, S, D] -> [B, H, D]. The copy [B, H, S, D] is written and read
-    once more: this is transformers' ``repeat_kv`` before its attention call.
+    once more: this is transformers' ``repeat_kv`` before its eager attention call, except
+    at ``group == 1``, where ``repeat_kv`` returns its input and this still copies (the
+    chapter's sweep keeps that point as the end of its range and says so).
     """
     group = q.shape[1] // k.shape[1]
     keys = k.repeat_interleave(group, dim=1)  # [B, H, S, D], a real copy

@@ -26,7 +26,7 @@ Chapter 23 measures each on SmolLM2-135M and Gemma 3 270M. The pieces here:
   is the kernel's own high-water mark (``VmHWM``), reset after the model is loaded by
   writing 5 to ``/proc/self/clear_refs``.
 * :func:`kv_cache_bytes` and :func:`score_matrix_bytes`: the closed forms beside the
-  measured memory.
+  measured memory; :func:`attention_scores`: the scores a whole or chunked prefill computes.
 * :func:`needle_prompt`, :func:`needle_parts`, :func:`greedy_answer` and
   :func:`needle_grid`: needle-in-a-haystack retrieval. A sentence with a code is planted at
   a given depth of a passage of the evaluation text, the question comes at the end, and the
@@ -235,6 +235,27 @@ def score_matrix_bytes(config, length: int, dtype_bytes: int = 4) -> int:
     """Bytes of one layer's attention scores for a whole prompt if materialised: query
     heads x length x length (what naive attention allocates; SDPA may not)."""
     return config.num_heads * length * length * dtype_bytes
+
+
+def attention_scores(config, length: int, chunk: int | None = None) -> int:
+    """Query-key scores labkit's attention computes in a prefill of `length` tokens, whole
+    (`chunk=None`) or `chunk` tokens per pass, summed over layers and query heads.
+
+    `llama.grouped_attention` and `window_cache.windowed_attention` hand SDPA an explicit
+    boolean mask and no causal flag, so a pass scores each of its queries against every key
+    it is given, masked ones included: a whole prefill length x length per layer; a chunk
+    its queries against the positions before it and itself; in a windowed layer with the
+    rolling cache (Gemma 3's default, `config.layer_windows`), against the window - 1
+    positions before the chunk and itself (`RollingKVCache.attend`)."""
+    windows = getattr(config, "layer_windows", None) or (None,) * config.num_layers
+    step = chunk or length
+    total = 0
+    for start in range(0, length, step):
+        steps = min(step, length - start)
+        for window in windows:
+            before = start if window is None else min(start, window - 1)
+            total += steps * (before + steps)
+    return config.num_heads * total
 
 
 # -- 5. uses what it is given: needle in a haystack ----------------------------------------

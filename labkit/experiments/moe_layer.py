@@ -26,7 +26,8 @@ up to rounding::
 - :func:`dense_loop`: each token, its ``k`` experts one at a time (the obvious reference;
   ``T * k`` matrix-vector products);
 - :func:`gather_by_expert`: for each expert, gather its tokens, one matrix product, and
-  scatter-add the weighted results back (what ``transformers`` does);
+  scatter-add the weighted results back (``transformers``' ``"eager"`` experts
+  implementation; transformers 5 picks ``"grouped_mm"`` by default where it can);
 - :func:`padded_batched`: the tokens of each expert padded to the busiest expert's count
   into ``[E, C, d]`` and one batched product (``torch.bmm``) over all experts; the padding
   rows are computed and thrown away (:func:`padding_fraction` says how much work that is);
@@ -498,9 +499,10 @@ def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidde
                 max_tokens: dict[str, int] | None = None, seed: int = 0,
                 threads: int | None = None, keep_samples: bool = False) -> list[dict]:
     """Time every layer of ``layers`` (each a function of the tokens ``x [T, hidden]``) at
-    every batch size ``T``, on the same seeded random tokens, the layers in turns
-    (:func:`labkit.util.timing.measure_interleaved`) so that a slow spell of a shared
-    machine falls on all of them alike. ``max_tokens`` leaves a layer out above a size
+    every batch size ``T``, on the same seeded random tokens, the layers in turns in the
+    order of ``layers`` (:func:`labkit.util.timing.measure_interleaved`) so that a slow
+    spell of a shared machine falls on all of them alike. The order is fixed, so a layer
+    may find in a cache what the layer before it read (the same experts' weights). ``max_tokens`` leaves a layer out above a size
     (the dense loop, whose cost only grows).
 
     Returns one record per (T, layer): ``tokens``, ``layer``, ``median_ms``, ``min_ms``,

@@ -228,6 +228,33 @@ def against_prediction(low: float, high: float, predicted: float) -> str:
     return "within the interval of"
 
 
+def step_growth_reading(first_s: float, last_s: float, first_flops: float, last_flops: float,
+                        *, flat: float = 1.3, near: float = 2.0) -> str:
+    """How the time of a naive step grew from the first step to the last, against how its
+    arithmetic grew, as a sentence to glue: time growth ``t = last_s / first_s`` and FLOP
+    growth ``f = last_flops / first_flops``. Below ``flat`` the time "hardly grew"; within a
+    factor ``near`` of ``f`` it grew "about as its arithmetic did"; otherwise it grew less
+    (or more) than its arithmetic. Time is compared with arithmetic, not with a fixed bar, so
+    the sentence says "as its arithmetic does" only where the two grew alike."""
+    if min(first_s, last_s, first_flops, last_flops) <= 0 or flat < 1 or near < 1:
+        raise ValueError("times and FLOPs must be positive, flat and near at least 1")
+    t, f = last_s / first_s, last_flops / first_flops
+    grew = f"{t:.1f} times from the first step to the last, against {f:.1f} times the FLOPs"
+    if t < flat:
+        return (f"On this machine the time of a naive step hardly grew with the text ({grew}): "
+                f"at these lengths a pass is mostly the part that does not grow with its length "
+                f"(reading every weight, starting each operator).")
+    if t < f / near:
+        return (f"The time of a naive step grew with the text, but much less than its "
+                f"arithmetic ({grew}): a pass also has a part that does not grow with its "
+                f"length (reading every weight, starting each operator).")
+    if t <= f * near:
+        return (f"The time of a naive step grew with the text about as its arithmetic did "
+                f"({grew}).")
+    return (f"The time of a naive step grew with the text faster than its arithmetic ({grew}): "
+            f"something besides the FLOPs grew with the length on this machine.")
+
+
 __all__ = [
     "against_prediction",
     "check_in_one_pass",
@@ -235,6 +262,7 @@ __all__ = [
     "generation_flops",
     "pass_flops",
     "slowest_reading",
+    "step_growth_reading",
     "time_in_turns",
 ]
 

@@ -20,7 +20,8 @@ looks at those pieces one step at a time:
 * :func:`final_hidden_state` and :func:`step_logits` expose the last hidden vector (whose dot
   product with each embedding row is that token's logit) and the logits of one decode step;
 * :func:`path_margins`, :func:`portable_prefix` and :func:`check_against_reference` say which
-  greedy tokens are the same on every machine: a step whose top two logits are closer than
+  greedy tokens are the same on every machine (:func:`rank_margins` does the same for a
+  printed top-k list): a step whose top two logits are closer than
   :data:`PORTABLE_MARGIN` may go either way under another CPU's float32 rounding, and a
   comparison with an independent implementation follows the near-tie rule of
   :mod:`labkit.util.near_tie`.
@@ -56,6 +57,7 @@ __all__ = [
     "same_choice_phrase",
     "PORTABLE_MARGIN",
     "path_margins",
+    "rank_margins",
     "portable_prefix",
     "ReferenceCheck",
     "reference_greedy",
@@ -468,6 +470,19 @@ def path_margins(model, prompt_ids: Sequence[int], output_ids: Sequence[int]) ->
         out = model(torch.tensor([prompt_ids + output_ids]))
     logits = getattr(out, "logits", out)[0, len(prompt_ids) - 1:-1]
     return top_two_margins(logits)
+
+
+def rank_margins(logits: torch.Tensor, k: int) -> list[float]:
+    """The gaps between neighbouring ranks of one ``[vocab]`` logit vector, from the best down
+    to the ``k + 1``-th: ``k`` numbers, the last one between the ``k``-th and the best token
+    left out. A printed top-``k`` list (which tokens, in which order) is the same on every
+    machine when every gap is above :data:`PORTABLE_MARGIN`, as one greedy choice is when its
+    top-two margin is (``rank_margins(logits, 1)`` is that margin)."""
+    scores = torch.as_tensor(logits).detach().float().reshape(-1)
+    if not 1 <= k < scores.numel():
+        raise ValueError(f"need 1 <= k < {scores.numel()} (the vocabulary size), got {k}")
+    top = torch.topk(scores, k + 1).values
+    return (top[:-1] - top[1:]).tolist()
 
 
 def portable_prefix(margins: Sequence[float], margin: float = PORTABLE_MARGIN) -> int:

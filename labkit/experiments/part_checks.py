@@ -48,7 +48,9 @@ __all__ = [
     "BASELINE_STAGES",
     "thread_comparisons",
     "memory_rate_verdict",
+    "MEMORY_BOUND_SHARE",
     "memory_read_bytes",
+    "weight_stream_share",
     "comparison_rows",
 ]
 
@@ -235,7 +237,12 @@ def greedy_paths_agree(model: Any, reference_model: Any, prompt_ids: Sequence[in
     scores are its logits along its own tokens (one pass over prompt and ``theirs``); the
     tolerance is measured, not chosen: twice the largest difference between ``model``'s logits
     and the reference's on the positions the two share (up to and including the first where
-    they differ), over the whole vocabulary."""
+    they differ), over the whole vocabulary. Our logits are taken both from one pass and, where
+    ``model`` has a KV cache (``new_cache``), the way the loop that chose ``ours`` computes
+    them: a prefill of the prompt, then one token per call. The cached path sums in other
+    shapes and can differ from the reference where the one pass does not (bit-identical
+    passes would otherwise give a tolerance of 0); a flip of our token at a reference gap
+    ``g`` needs ``g`` within twice the difference on the path that chose it."""
     prompt_ids, ours, theirs = [int(i) for i in prompt_ids], [int(i) for i in ours], [int(i) for i in theirs]
     if not theirs:
         return greedy_agreement(theirs, ours, [], 0.0)
@@ -247,6 +254,11 @@ def greedy_paths_agree(model: Any, reference_model: Any, prompt_ids: Sequence[in
     shared = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(ours), len(theirs)) - 1)
     shared = max(0, min(shared, len(theirs) - 1))
     error = float((mine[:shared + 1] - ref[:shared + 1]).abs().max())
+    if hasattr(model, "new_cache"):
+        with torch.no_grad():
+            looped = _cached_logits(model, prompt_ids + theirs, len(prompt_ids))
+        looped = looped[start:start + len(theirs)]
+        error = max(error, float((looped[:shared + 1] - ref[:shared + 1]).abs().max()))
     return greedy_agreement(theirs, ours, ref, flip_tolerance(error), candidate_scores=mine)
 
 
@@ -416,18 +428,50 @@ def memory_read_bytes(last_level_cache: int | None) -> int:
     return memory_read_buffer_bytes(last_level_cache)
 
 
-def memory_rate_verdict(step_gb_s: float, read_gb_s: float, *, close: float = 0.8) -> str:
+def weight_stream_share(row: dict[str, Any], weight_bytes: int, read_bytes: int
+                        ) -> tuple[float, float, float]:
+    """A decode step's weight-stream rate as a share of the plain read's rate, with the 95%
+    bootstrap interval of the ratio of medians: ``(share, low, high)``.
+
+    ``row`` is a :func:`baseline_throughput` row carrying ``memory_read_samples_s`` (times of
+    a sum over ``read_bytes``); the step's rate is ``weight_bytes`` over its time, so the
+    share is ``weight_bytes / read_bytes * median(read) / median(step)``. The step's time also
+    holds sampling and Python, so its rate, and this share, are lower bounds."""
+    from labkit.util.compare import compare
+
+    times = compare(row["decode_step_samples_s"], row["memory_read_samples_s"],
+                    name_a="decode step", name_b="memory read")  # ratio: read / step time
+    scale = weight_bytes / read_bytes
+    return scale * times.ratio, scale * times.low, scale * times.high
+
+
+# A decode step whose weight stream runs at this share of a plain read's rate or more counts as
+# set by memory bandwidth: a line drawn, not measured (the step also samples and runs Python).
+MEMORY_BOUND_SHARE = 0.8
+
+
+def memory_rate_verdict(step_gb_s: float, read_gb_s: float, *, close: float = MEMORY_BOUND_SHARE,
+                        interval: tuple[float, float] | None = None) -> str:
     """Whether a decode step's weight stream ran near the memory's rate, in words.
 
     ``step_gb_s`` is the weight bytes a decode step reads divided by its time; ``read_gb_s``
     the rate of a plain sequential read on the same threads. At ``close`` (80%) of the plain
     read or more the step is limited by memory; below, memory bandwidth does not set its
-    time on its own. A clause for a glued sentence, with no number in it."""
+    time on its own. With ``interval`` (the share's low and high, from
+    :func:`weight_stream_share`) the verdict is taken only when the whole interval lies on one
+    side of ``close``; an interval across it gets a clause that says the runs cannot tell.
+    A clause for a glued sentence."""
     if step_gb_s <= 0 or read_gb_s <= 0:
         raise ValueError(f"rates must be positive, got {step_gb_s} and {read_gb_s}")
-    if step_gb_s >= close * read_gb_s:
+    low, high = interval if interval is not None else (step_gb_s / read_gb_s,) * 2
+    if low > high:
+        raise ValueError(f"the interval's low {low} exceeds its high {high}")
+    if low >= close:
         return "the step ran close to the memory's rate, so memory bandwidth set its time"
-    return "memory bandwidth alone did not set the step's time"
+    if high < close:
+        return "memory bandwidth alone did not set the step's time"
+    return (f"the interval reaches across {close:.0%} of the plain read, so these runs cannot "
+            f"say whether memory bandwidth set the step's time")
 
 
 def comparison_rows(comparisons: dict[str, Any], labels: dict[str, str] | None = None

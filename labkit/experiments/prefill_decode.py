@@ -298,8 +298,14 @@ def position_agreement(reference_logits: torch.Tensor, candidate_logits: torch.T
     :mod:`labkit.util.near_tie`, position by position: the positions read the same input, so
     a divergence at one does not end the comparison. A position where the argmaxes differ is
     excused when the reference's gap between its token and the candidate's is within
-    `tolerance` (default: :func:`~labkit.util.near_tie.flip_tolerance` of the largest
-    |logit difference| of the two paths), and fails otherwise.
+    `tolerance`, and fails otherwise.
+
+    Pass a stated tolerance (:func:`labkit.experiments.path_agreement.tolerance`, twice the
+    book's float32 logit error) wherever the check must be able to fail, and hold the
+    paths' measured difference to that error yourself. The default, kept for callers that
+    only count near-ties, is :func:`~labkit.util.near_tie.flip_tolerance` of the largest
+    |logit difference| of these two tensors: a flip needs the reference's gap to be within
+    the two paths' differences at that position, so that default excuses every flip.
 
     `*_logits` are [positions, vocab] (a leading batch of 1 is dropped). Returns the
     :class:`~labkit.util.near_tie.AgreementSummary` (one one-token sequence per position):
@@ -389,13 +395,54 @@ def schedules_in_turns(model, short_prompt: Sequence[int], long_prompt: Sequence
 
 
 def chunking_verdict(chunked_ttft: Sequence[float], one_pass_ttft: Sequence[float]) -> str:
-    """Did the long request pay for being prefilled in chunks? In words the runs support
-    (`labkit.util.compare`: the bootstrap interval of the ratio of medians)."""
+    """Did the long request pay for being prefilled in chunks? In words the runs support.
+
+    A direction is claimed only when the bootstrap interval of the ratio of medians
+    (`labkit.util.compare`) excludes 1 *and* every run of one schedule was faster than every
+    run of the other: with a few runs a side, a percentile bootstrap alone claims too much
+    (three runs against three, completely apart, is a one-sided chance of 1 in 20)."""
     c = compare(chunked_ttft, one_pass_ttft, name_a="chunked", name_b="one pass")
-    interval = f"one-pass / chunked time {c.ratio:.2f}, 95% interval {c.low:.2f}-{c.high:.2f}"
-    words = {"faster": "it did not pay: chunked, its first token came sooner, beyond the noise",
-             "slower": "it paid: chunked, its first token came later, beyond the noise"}
-    return f"{words.get(c.verdict, 'its first token came at the same time within the noise')} ({interval})"
+    n = min(len(chunked_ttft), len(one_pass_ttft))
+    each = f"{n} runs of each" if len(chunked_ttft) == len(one_pass_ttft) else "the runs"
+    detail = f"one-pass / chunked time {c.ratio:.2f}, bootstrap interval {c.low:.2f}-{c.high:.2f}"
+    if c.verdict == "faster" and max(chunked_ttft) < min(one_pass_ttft):
+        return f"chunking did not cost it, its first token came sooner chunked in all {each} ({detail})"
+    if c.verdict == "slower" and min(chunked_ttft) > max(one_pass_ttft):
+        return f"chunking cost it, its first token came later chunked in all {each} ({detail})"
+    return (f"its first token came at the same time either way within the noise, the runs of "
+            f"the two schedules overlapping ({detail})")
+
+
+def scored_share(length: int, chunk: int) -> float:
+    """Attention scores computed by a prefill of `length` tokens in chunks of `chunk`, as a
+    share of one pass's, in labkit's attention (:func:`labkit.models.llama.grouped_attention`):
+    a pass scores each of its queries against every key it can reach, the cached ones and
+    its own, and the causal mask hides the later ones after they are scored. One pass
+    computes length² scores; a chunk ending at position e computes (its tokens) × e."""
+    if length < 1 or chunk < 1:
+        raise ValueError("a prefill has at least one token and chunks of at least one")
+    scored = sum(min(chunk, length - start) * min(start + chunk, length)
+                 for start in range(0, length, chunk))
+    return scored / (length * length)
+
+
+def decode_growth_words(measured_ratio: float, bytes_ratio: float, margin: float = 0.1) -> str:
+    """How a decode step's time grew from a short to a long position, against the growth of
+    the bytes it reads (all the weights plus the cache), in words for the prose: "about as"
+    within `margin` (relative), else "more than" or "less than", with what that implies.
+    Under time = a × weight bytes + b × cache bytes, growing faster than the bytes means b > a
+    (a cache byte cost more than a weight byte), slower means the opposite or a fixed cost."""
+    head = f"grew {measured_ratio:.2f} times"
+    bytes_text = f"{bytes_ratio:.2f} times: all the weights plus the cache"
+    if measured_ratio > bytes_ratio * (1 + margin):
+        return (f"{head}, more than the bytes a step reads ({bytes_text}): counted per byte, "
+                "the work that grows with the position (reading the cache and attending over "
+                "it) cost more than reading the weights")
+    if measured_ratio < bytes_ratio / (1 + margin):
+        return (f"{head}, less than the bytes a step reads ({bytes_text}): counted per byte, "
+                "the weights cost more than the cache, or part of a step's time does not "
+                "depend on its bytes at all")
+    return f"{head}, about as the bytes a step reads grew ({bytes_text})"
 
 
 def gap_summary(timeline: dict) -> dict:
@@ -492,6 +539,6 @@ __all__ = [
     "PREFILL", "DECODE", "eval_prompt_ids", "greedy", "default_schedule", "ttft_once",
     "ttft_curve", "loglog_slopes", "fit_linear_quadratic", "decode_curve", "split_phases",
     "phase_shares", "chunked_prefill", "position_agreement", "two_request_timeline", "long_request_times", "schedules_in_turns",
-    "chunking_verdict", "gap_summary",
+    "chunking_verdict", "scored_share", "decode_growth_words", "gap_summary",
     "reference_phase_times", "plot_timeline",
 ]

@@ -17,11 +17,13 @@ cache itself) and :class:`labkit.engine.llm_engine.LLMEngine` (the engine around
   prompt on an engine that caches nothing.
 * :func:`probe_trials`: the timing side channel. Tenant A sends a secret prefix; tenant B
   times a probe that starts with the right guess and one that starts with a wrong guess.
-* :func:`prob_slower`, :func:`pairwise_wins`: the probe statistics.
+* :func:`prob_slower`, :func:`pairwise_wins`: the probe statistics; :func:`sign_test_p` and
+  :func:`paired_reading`: the paired count read as a sign test.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -375,6 +377,38 @@ def pairwise_wins(a: Seq[float], b: Seq[float]) -> int:
     if len(a) != len(b):
         raise ValueError("paired samples must have equal lengths")
     return sum(x > y for x, y in zip(a, b))
+
+
+def sign_test_p(a: Seq[float], b: Seq[float]) -> float:
+    """Two-sided exact sign test of paired samples ``a[i]``, ``b[i]`` (one trial each): the
+    probability, were each trial's pair equally likely to fall either way round, of a count
+    of "``a`` slower" at least as far from half the trials as the one seen. Ties are dropped
+    (they say nothing about the direction); 1.0 when every pair ties."""
+    if len(a) != len(b):
+        raise ValueError("paired samples must have equal lengths")
+    slower = sum(x > y for x, y in zip(a, b))
+    faster = sum(x < y for x, y in zip(a, b))
+    n = slower + faster
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(max(slower, faster), n + 1)) / 2 ** n
+    return min(1.0, 2.0 * tail)
+
+
+def paired_reading(wrong: Seq[float], right: Seq[float], level: float = 0.05) -> str:
+    """Words for :func:`sign_test_p` of paired probes (``wrong[i]``, ``right[i]``: the two
+    probes of trial ``i``), a clause that follows the count: whether the count is
+    consistent with a coin toss at ``level``, and if not, which probe was the slower more
+    often than chance alone would make it."""
+    p = sign_test_p(wrong, right)
+    head = f"a two-sided sign test of that count gives p = {p:.2g}"
+    if p >= level:
+        return (f"{head}, consistent with a coin toss: the pairs, which cancel the drift "
+                f"between trials, see no difference beyond chance")
+    slower = "wrong" if pairwise_wins(wrong, right) > pairwise_wins(right, wrong) else "right"
+    return (f"{head}, below {level:g}: the pairs, which cancel the drift between trials "
+            f"that the all-pairs figure cannot, see the {slower} guess slower more often "
+            f"than chance alone would make it")
 
 
 def threshold_accuracy(slow: Seq[float], fast: Seq[float]) -> tuple[float, float]:

@@ -45,9 +45,12 @@ def plot_timeline(ax, events: Sequence[tuple[str, float, float]], *,
     """A waterfall of the calls of ``stages`` only, in seconds from the first event.
 
     ``events`` are ``(stage, start_s, duration_s)``; the caller prepends the load, shifting
-    the request's events by its duration. Each call is one bar with a white edge, so the
-    fifteen decode steps of a row can be counted. Stages not in ``stages`` are left out:
-    they are too short to see on this axis (:func:`plot_call_durations` draws them).
+    the request's events by its duration. The axis is then composed, not one measured
+    stretch of time (whatever ran between the load and that request is left out): it says
+    only "time (s)", and the caption says how the events were placed. Each call is one bar
+    with a white edge, so the fifteen decode steps of a row can be counted. Stages not in
+    ``stages`` are left out: they are too short to see on this axis
+    (:func:`plot_call_durations` draws them).
     """
     colours = stage_colours([e[0] for e in events])
     rows = [s for s in stages if any(e[0] == s for e in events)]
@@ -62,7 +65,7 @@ def plot_timeline(ax, events: Sequence[tuple[str, float, float]], *,
     ax.set_yticks(range(len(rows)), labels)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, max(start + took for _, start, took in events) * 1.02)
-    ax.set_xlabel("time since the load began (s)")
+    ax.set_xlabel("time (s)")
     ax.grid(axis="y", visible=False)
     return rows
 

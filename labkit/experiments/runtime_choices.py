@@ -15,9 +15,13 @@ chapters share): the first step where the tokens differ, both runs' margins ther
 minus top-2 log-probability; a difference of log-probabilities is a difference of logits),
 whether the rule excuses the divergence, and the largest change of the top-20
 log-probabilities at the first generated position (the end of the prompt, before any token
-differs). The rule's tolerance for a runtime is twice its measured error
-(:func:`runtime_error`): the largest change it made to the baseline's top-20
-log-probabilities on any step where both had seen the same tokens.
+differs). The rule's tolerance for a runtime is twice a stated bound on its error
+(:attr:`RuntimeChoice.logit_error`: :data:`labkit.experiments.path_agreement.LOGIT_ERROR`
+for float32, ``BF16_LOGIT_ERROR`` for bfloat16), never twice the error of the run it judges:
+at a flip between two top-20 tokens the runtime's own change is at least half the gap, so a
+tolerance taken from the same steps would excuse every such flip. The measured error
+(:func:`runtime_error`, the largest change of the baseline's top-20 log-probabilities on any
+step where both had seen the same tokens) is checked against the bound instead.
 
 Runtimes on the model itself (a contiguous cache, one prompt at a time unless padded):
 
@@ -40,8 +44,10 @@ bfloat16 runs on the engine's kernels (``weights="bf16"``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +55,7 @@ import torch.nn.functional as F
 from labkit.engine.backends import ReferenceBackend
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.scheduler import SchedulerConfig
+from labkit.experiments.path_agreement import BF16_LOGIT_ERROR, LOGIT_ERROR
 from labkit.models.llama import KVCache
 from labkit.sampling import SamplingParams
 from labkit.util.near_tie import AgreementSummary, GreedyAgreement, flip_tolerance, greedy_agreement
@@ -295,7 +302,8 @@ def first_difference(base: GreedyRun, run: GreedyRun) -> int | None:
 def runtime_error(baseline: list[GreedyRun], runs: list[GreedyRun]) -> float:
     """The runtime's measured error: the largest change of the baseline's top-20
     log-probabilities over every step on which both runs had seen the same tokens (each
-    prompt's steps up to and including its first difference). Twice it is the near-tie
+    prompt's steps up to and including its first difference). It must stay within the
+    runtime's stated bound (:attr:`RuntimeChoice.logit_error`), twice which is the near-tie
     rule's tolerance (:func:`labkit.util.near_tie.flip_tolerance`)."""
     worst = 0.0
     for base, run in zip(baseline, runs, strict=True):
@@ -308,9 +316,11 @@ def runtime_error(baseline: list[GreedyRun], runs: list[GreedyRun]) -> float:
 def compare_runs(baseline: list[GreedyRun], runs: list[GreedyRun],
                  tolerance: float | None = None) -> list[Divergence]:
     """Each prompt's run held to the baseline's under the near-tie rule, with `tolerance`
-    (default: twice :func:`runtime_error` of these runs)."""
+    (default: twice the stated float32 bound, ``path_agreement.LOGIT_ERROR``; a bfloat16
+    runtime passes twice ``BF16_LOGIT_ERROR``). Check :func:`runtime_error` against the same
+    bound: the tolerance holds only while the runtime's error does."""
     if tolerance is None:
-        tolerance = flip_tolerance(runtime_error(baseline, runs))
+        tolerance = flip_tolerance(LOGIT_ERROR)
     rows = []
     for i, (base, run) in enumerate(zip(baseline, runs, strict=True)):
         change = step_change(base, run, 0)
@@ -335,6 +345,68 @@ def margins(runs: list[GreedyRun]) -> list[float]:
     return [run.margin(s) for run in runs for s in range(len(run.tokens))]
 
 
+# -- which path a runtime's forward passes took ----------------------------------------------
+
+@dataclass
+class PassCount:
+    """The forward passes of the engine's block models (`gguf_blocks.BlockLlama`: the
+    bfloat16 and model-file weights) during one run: the tokens of each pass, and of each
+    pass that ran labkit's C layers on the blocks (a step of at most `native.MAX_ROWS`
+    tokens on the paged pool); every other pass multiplied the dense weights (oneDNN)."""
+
+    passes: list[int] = field(default_factory=list)
+    block: list[int] = field(default_factory=list)
+
+
+@contextmanager
+def counting_passes() -> Iterator[PassCount]:
+    """Count, while the block is running, which path each forward pass of a `BlockLlama`
+    took, by wrapping `BlockLlama.forward` and `native.decoder_layers_blocks` (restored on
+    exit; the wrappers only count). The chapter says from this which of a runtime's steps
+    read the blocks, instead of assuming it from the kernels' row limit."""
+    from labkit.kernels import gguf_blocks, native
+
+    count = PassCount()
+    forward, layers = gguf_blocks.BlockLlama.forward, native.decoder_layers_blocks
+
+    def counted_forward(self, *args, **kwargs):
+        input_ids = args[0] if args else kwargs["input_ids"]
+        count.passes.append(input_ids.numel())
+        return forward(self, *args, **kwargs)
+
+    def counted_layers(x, *args, **kwargs):
+        count.block.append(x.shape[0])
+        return layers(x, *args, **kwargs)
+
+    gguf_blocks.BlockLlama.forward, native.decoder_layers_blocks = counted_forward, counted_layers
+    try:
+        yield count
+    finally:
+        gguf_blocks.BlockLlama.forward, native.decoder_layers_blocks = forward, layers
+
+
+def bf16_path(onednn: dict[str, Any] | None = None, short: bool = False) -> str:
+    """The matrix product that runs the bfloat16 runtime's larger steps (prefill) here, from
+    `onednn` (``labkit.kernels.dispatch.dispatch_report()["onednn"]``, its default): oneDNN's
+    bfloat16 GEMM where the CPU multiplies bfloat16 natively, which hands back each product
+    rounded to bfloat16 (`bf16_weights.OneDNNBF16Linear`); else oneDNN's float32 GEMM on the
+    rounded weights, float32 out. Steps of a few tokens take labkit's bfloat16 C kernel on
+    any CPU."""
+    if onednn is None:
+        from labkit.kernels.dispatch import dispatch_report
+
+        onednn = dispatch_report()["onednn"]
+    if onednn.get("available", True) and onednn["bf16_gemm_native"]:
+        isa = "AMX" if onednn.get("amx") else "AVX512-BF16"
+        if short:
+            return f"oneDNN's bfloat16 GEMM ({isa}), products rounded to bfloat16"
+        return f"oneDNN's bfloat16 GEMM ({isa}), which also rounds each product to bfloat16"
+    if short:
+        return "oneDNN's float32 GEMM on the rounded weights"
+    return ("oneDNN's float32 GEMM on the rounded weights, float32 out (no native bfloat16 "
+            "GEMM here)")
+
+
 # -- the chapter's runtimes ----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -344,6 +416,7 @@ class RuntimeChoice:
     changes: str     # what differs from the baseline
     run: Callable[..., list[GreedyRun]]  # (model, prompts, new_tokens) -> runs
     needs_native: bool = False  # runs labkit's C kernels (refused or replaced without them)
+    logit_error: float = LOGIT_ERROR  # stated bound on its error; the near-tie tolerance is twice it
 
 
 def unavailable(choice: RuntimeChoice) -> str | None:
@@ -378,8 +451,9 @@ def choices() -> list[RuntimeChoice]:
                       lambda m, p, n: contiguous_runtime(m, p, n, cache_type=StaticShapeCache)),
         RuntimeChoice("padded batch", one, "all prompts in one batch, left-padded",
                       padded_batch_runtime),
-        RuntimeChoice("bfloat16", one, "bfloat16 weights and activations (float32 sums)",
-                      lambda m, p, n: engine_runtime(m, p, n, weights="bf16"), needs_native=True),
+        RuntimeChoice("bfloat16", one, "bfloat16 weights and activations, float32 sums",
+                      lambda m, p, n: engine_runtime(m, p, n, weights="bf16"), needs_native=True,
+                      logit_error=BF16_LOGIT_ERROR),
         RuntimeChoice("paged, gather + SDPA", engine, "the engine's reference backend, one request at a time",
                       lambda m, p, n: engine_runtime(m, p, n, backend=ReferenceBackend())),
         RuntimeChoice("continuous batch", engine, "all prompts queued at once, 512-token steps",
@@ -389,7 +463,8 @@ def choices() -> list[RuntimeChoice]:
                       lambda m, p, n: engine_runtime(m, p, n, together=True, backend=FastBackend()),
                       needs_native=True),
         RuntimeChoice("the model file's blocks", engine,
-                      "the continuous batch on the GGUF's own blocks (labkit serve's default)",
+                      "the continuous batch with the GGUF's own blocks for steps of a few tokens "
+                      "(labkit serve's default weights)",
                       lambda m, p, n: engine_runtime(m, p, n, together=True, weights="gguf"),
                       needs_native=True),
     ]

@@ -23,6 +23,10 @@ and 17 are global); SmolLM2 was trained with full attention. Four pieces:
   mask over a full cache (:class:`~labkit.models.window_cache.WindowedKVCache`), and a
   rolling cache (:class:`~labkit.models.window_cache.RollingKVCache`).
 
+:func:`paired_interval` and :func:`cache_fit_sentence` read the chapter's measurements
+without claiming more than they show: a 95% t interval over passages, and whether the bytes a
+step reads fit this machine's last-level cache.
+
 Nothing is timed here (the notebook times with :mod:`labkit.util.timing`), but
 :func:`primed_cache`, :func:`decode_step_runner` and :func:`attention_runner` build what it
 times.
@@ -402,7 +406,11 @@ def greedy_with_cache(model, cache, prompt_ids: list[int], new_tokens: int):
 
 # -- 5. two caches' greedy tokens, held together under the near-tie rule --------------------
 
-# the stated bound on two float32 paths' score difference: the book's one bound for them
+# The stated bound on two float32 paths' score difference: the book's one bound for them,
+# stated and measured for SmolLM2-135M (path_agreement.LOGIT_ERROR). No bound is stated for
+# Gemma 3 270M; chapter 22 reuses this one because its paths are float32 too and differ only
+# in the order of their sums, and compare_paths measures each pair's error against it, so a
+# Gemma path that outgrew it would fail the check instead of excusing more.
 LOGIT_ERROR_BOUND = LOGIT_ERROR
 
 
@@ -465,3 +473,80 @@ def compare_paths(reference_tokens, reference_scores, candidate_tokens, candidat
                                  flip_tolerance(bound))
     return PathComparison(agreement, shared_score_error(reference_scores, candidate_scores,
                                                         agreement.compared), bound)
+
+
+# -- 6. readings that claim no more than the data -------------------------------------------
+
+# Student's t, 97.5% quantile, for 1 to 30 degrees of freedom (the usual table): a 95%
+# interval of the mean of n differences is mean +- T_975[n - 2] * sd / sqrt(n).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+@dataclass(frozen=True)
+class PairedInterval:
+    """The mean of n paired differences (one per passage) and the half-width of its 95%
+    interval from Student's t with n - 1 degrees of freedom."""
+
+    mean: float
+    half_width: float
+    n: int
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    @property
+    def verdict(self) -> str:
+        """"higher" or "lower" only when the whole interval lies on one side of 0, else
+        "within the noise"."""
+        if self.low > 0:
+            return "higher"
+        if self.high < 0:
+            return "lower"
+        return "within the noise"
+
+
+def paired_interval(differences) -> PairedInterval:
+    """95% t interval of the mean of paired differences (e.g. one window's loss minus
+    another's, passage by passage). With five passages the cutoff is 2.776 standard errors,
+    not 2: a mean twice its standard error is not yet a finding. Beyond 30 differences the
+    30-degree value is used, slightly wider than exact."""
+    d = [float(x) for x in differences]
+    n = len(d)
+    if n < 2:
+        raise ValueError(f"an interval needs at least two differences, got {n}")
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    t = T_975[min(n - 1, len(T_975)) - 1]
+    return PairedInterval(mean, t * sd / math.sqrt(n), n)
+
+
+def cache_fit_sentence(context: int, rolling_bytes: float, masked_bytes: float,
+                       llc_bytes: int | None) -> str:
+    """Whether the keys and values each scheme reads per decode step at ``context`` are
+    smaller than this machine's last-level cache (``llc_bytes``; None where it could not be
+    read), as a sentence true of the outcome. The timed runners reuse one cache round after
+    round, so bytes that fit may be read from the cache rather than from memory."""
+    at = f"At {context:,} tokens"
+    if llc_bytes is None:
+        return (f"{at} we could not compare the bytes read with this machine's last-level "
+                f"cache, whose size could not be read.")
+    rolling = f"the rolling cache's {rolling_bytes / 1e6:,.0f} MB"
+    masked = f"the mask's {masked_bytes / 1e6:,.0f} MB"
+    llc = f"this machine's last-level cache ({llc_bytes / 2**20:,.0f} MiB)"
+    if masked_bytes <= llc_bytes and rolling_bytes <= llc_bytes:
+        return (f"{at} both {rolling} and {masked} are smaller than {llc}, and the timed "
+                f"rounds reuse one cache: both may be read from it rather than from memory.")
+    if rolling_bytes <= llc_bytes:
+        return (f"{at} {rolling} is smaller than {llc} and {masked} is not. The timed rounds "
+                f"reuse one cache, so part of the difference between the two there may come "
+                f"from reading the rolling cache's keys from the cache, not from memory.")
+    if masked_bytes <= llc_bytes:
+        return f"{at} {masked} is smaller than {llc} and {rolling} is not."
+    return f"{at} neither {rolling} nor {masked} is smaller than {llc}."

@@ -17,6 +17,10 @@ the stream's bytes wait:
 * :func:`blocking_foil` is what the service avoids: an `EngineCore` whose slow request's sink
   blocks (:class:`BlockingSink`), so the core's one step loop waits for the slow reader and
   every other request waits with it.
+* :func:`gap_verdicts` judges the other streams' token gaps under each policy against the
+  control's, median and 99th percentile, beyond the drift between two runs of the control
+  (:data:`GAP_FLOOR` at least); :func:`drift_sentence`, :func:`gap_notes`,
+  :func:`gap_summary` and :func:`lede_sentence` put those verdicts in words.
 """
 
 from __future__ import annotations
@@ -35,6 +39,19 @@ from labkit.experiments.streaming import (MODEL, SocketOptions, SocketStream, St
                                           socket_queues)
 from labkit.sampling import SamplingParams
 from labkit.util.threads import run_in_thread
+
+ONSET_THRESHOLD = 4
+"""Events in the per-stream buffer at which :meth:`PolicyRun.onset` says it began to fill
+(a few, not one: one event waits there briefly even for a reader that keeps up)."""
+
+SAMPLE_S = 0.005
+"""How often :func:`policy_run` samples the slow stream's buffer and the kernel's queues (s)."""
+
+GAP_FLOOR = 0.05
+"""The smallest relative change of the other streams' median or 99th-percentile token gap
+that :func:`gap_verdicts` counts as a policy's effect, whatever drift two runs of the control
+show: one repeat measures that drift once, and a lucky pair of runs would otherwise let a
+difference of 1% count."""
 
 
 # -- one slow reader, the service's policies ----------------------------------------------------
@@ -112,6 +129,8 @@ class PolicyRun:
     blocks_left: int                # KV blocks in use once the run is over (0: none leaked)
     others_after: int = 0           # slow-stream tokens handed on before the others started
     others_started_s: float = 0.0   # when they started, from the start of the run
+    drained_s: float | None = None  # when the harness let the slow client read the rest at
+                                    # once (after the others and the slow request were done)
 
     @property
     def gaps_s(self) -> list[float]:
@@ -121,7 +140,7 @@ class PolicyRun:
     def peak_buffered(self) -> int:
         return max((s.buffered for s in self.samples), default=0)
 
-    def onset(self, threshold: int = 4) -> dict | None:
+    def onset(self, threshold: int = ONSET_THRESHOLD) -> dict | None:
         """Where the bytes were when the per-stream buffer first held `threshold` events:
         events past the buffer (handed to uvicorn), the bytes those make, what the client had
         read, what the kernel held (server send queue + client receive queue) and, the rest,
@@ -168,7 +187,7 @@ def _sample_buffers(client: RecordingClient, prompt, stream: SocketStream, serve
 
 def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_prompts: list[list[int]],
                max_tokens: int, *, others_after: int = 0, max_buffered: int = 16, read_bytes: int = 32,
-               every_s: float = 1.0, options: SocketOptions = SocketOptions(), interval: float = 0.005,
+               every_s: float = 1.0, options: SocketOptions = SocketOptions(), interval: float = SAMPLE_S,
                transport_limits: tuple[int, int] | None = None, model: str = MODEL,
                timeout_s: float = 900.0) -> PolicyRun:
     """One run of the service (engine in this process, `BackgroundServer`) with `--slow-reader
@@ -220,6 +239,7 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
                                    extra={"ignore_eos": True})
         while not target.finished and time.perf_counter() - start < timeout_s:
             time.sleep(0.01)
+        drained = 0.0 if policy == "none" else time.perf_counter() - start
         drain.set()
         reader.join(timeout_s)
         wall = time.perf_counter() - start
@@ -229,7 +249,7 @@ def policy_run(engine, tokenizer, policy: str, slow_prompt: list[int], other_pro
             time.sleep(0.01)
     status, header, body, ends = dechunk(bytes(stream.raw))
     return PolicyRun(policy, sse_outcome(status, body), records, samples, ends, header, max_tokens, max_buffered,
-                     wall, engine.stats().blocks_used, others_after, others_started)
+                     wall, engine.stats().blocks_used, others_after, others_started, drained)
 
 
 def stream_length_for(absorbed_bytes: int, chunk_bytes: int, max_buffered: int, margin: int) -> int:
@@ -348,8 +368,8 @@ def policy_sentences(policies: dict, max_buffered: int, slow_tokens: int) -> dic
     out["abort"] = (
         a.errors == ["slow_reader"],
         f"the slow stream was {a.kind} after {a.chunks:,} chunks: the {a.chunks - max_buffered:,} "
-        f"that had left the buffer and the {max_buffered} in it. The request was cancelled and its "
-        "KV blocks freed.",
+        f"that had left the buffer and the {max_buffered} in it. The request was cancelled; none "
+        "of its KV blocks was in use at the end of the run.",
         f"the slow stream {a.kind} with {a.chunks:,} chunks: its reader never fell "
         f"{max_buffered} events behind before the stream ended, so the policy never acted.")
     c = coalesce.slow
@@ -387,3 +407,164 @@ def against(base: list[float], values: list[float], base_name: str = "the contro
         return f"within the noise of {base_name} (median ratio {c.ratio:.2f}, {interval})"
     word = "longer" if c.verdict == "faster" else "shorter"
     return f"{c.ratio:.2f} times {base_name}, {word} beyond the noise ({interval})"
+
+
+# -- the other streams' gaps under each policy, judged against the control's drift ----------------
+
+@dataclass(frozen=True)
+class GapVerdict:
+    """The other streams' token gaps under one policy against the control's: the ratios
+    (policy / control) of their medians and 99th percentiles, and the thresholds a ratio must
+    pass, as |ratio - 1|, to count as the policy's effect (:func:`gap_verdicts`)."""
+
+    median_ratio: float
+    p99_ratio: float
+    median_threshold: float
+    p99_threshold: float
+    median_separated: bool          # the bootstrap interval of the median ratio excludes 1
+
+    @property
+    def median_word(self) -> str:
+        """"longer", "shorter", "within the threshold" or "within the noise" (beyond the
+        threshold, but a bootstrap of the gaps cannot tell the medians apart)."""
+        return _gap_word(self.median_ratio, self.median_threshold, self.median_separated)
+
+    @property
+    def p99_word(self) -> str:
+        return _gap_word(self.p99_ratio, self.p99_threshold, True)
+
+    def text(self) -> str:
+        def said(word: str) -> str:
+            return word if word.startswith("within") else f"{word} beyond the threshold"
+        return (f"a median gap {self.median_ratio:.2f} times the control's ({said(self.median_word)}) "
+                f"and a 99th percentile {self.p99_ratio:.2f} times ({said(self.p99_word)})")
+
+
+def _gap_word(ratio: float, threshold: float, separated: bool) -> str:
+    if abs(ratio - 1.0) <= threshold:
+        return "within the threshold"
+    if not separated:
+        return "within the noise"
+    return "longer" if ratio > 1.0 else "shorter"
+
+
+def _median_p99(gaps: list[float]) -> tuple[float, float]:
+    got = percentiles(gaps, (0.5, 0.99))
+    return got["p50"], got["p99"]
+
+
+def gap_drift(control: list[float], again: list[float]) -> tuple[float, float]:
+    """(median, 99th percentile) of the gaps of a second run of the control over the first's:
+    how far two runs of the same thing drift apart on this machine."""
+    (m0, p0), (m1, p1) = _median_p99(control), _median_p99(again)
+    return m1 / m0, p1 / p0
+
+
+def gap_verdicts(control: list[float], runs: dict[str, list[float]], again: list[float] | None = None,
+                 floor: float = GAP_FLOOR) -> dict[str, GapVerdict]:
+    """Each policy's gaps (`runs`: name -> the other streams' token gaps) against the
+    control's. A ratio counts as the policy's effect only where |ratio - 1| exceeds the
+    threshold: the drift between the control and its repeat `again` (:func:`gap_drift`), or
+    `floor` where that is larger or there is no repeat. A bootstrap of one run's gaps cannot
+    stand in for that: thousands of correlated gaps from one run give an interval far
+    narrower than the difference between two identical runs. The median must also be
+    separated by that bootstrap (`labkit.util.compare`)."""
+    from labkit.util.compare import compare
+
+    m_thr = p_thr = floor
+    if again is not None:
+        dm, dp = gap_drift(control, again)
+        m_thr, p_thr = max(floor, abs(dm - 1.0)), max(floor, abs(dp - 1.0))
+    m0, p0 = _median_p99(control)
+    out = {}
+    for name, gaps in runs.items():
+        m, p = _median_p99(gaps)
+        out[name] = GapVerdict(m / m0, p / p0, m_thr, p_thr, compare(control, gaps).separated)
+    return out
+
+
+def _threshold_words(drift_measured: bool, floor: float) -> str:
+    if drift_measured:
+        return f"the larger of two control runs' drift and {floor:.0%}"
+    return f"{floor:.0%}, as this profile does not measure the drift between runs"
+
+
+def drift_sentence(control: list[float], again: list[float] | None, verdicts: dict[str, GapVerdict],
+                   floor: float = GAP_FLOOR) -> str:
+    """The threshold the verdicts used, in words: the control's drift between two runs (or
+    that it was not measured), and each policy measured against it."""
+    if again is None:
+        head = (f"This profile runs the control once, so the drift between two runs is not "
+                f"measured; a policy's difference counts only where it exceeds {floor:.0%}.")
+    else:
+        from labkit.util.compare import compare
+
+        dm, dp = gap_drift(control, again)
+        v = next(iter(verdicts.values()))
+        boot = compare(control, again)
+        aside = (f" A bootstrap of one run's gaps would call even that difference real (95% "
+                 f"interval {boot.low:.2f}-{boot.high:.2f}), because it cannot see how runs "
+                 "differ; it decides nothing alone here." if boot.separated else "")
+        head = (f"Run again after the three policies, the control's other streams had a median "
+                f"gap {dm:.2f} times and a 99th percentile {dp:.2f} times the first run's: two "
+                "runs of the same thing differ by that much on this machine, so a policy's "
+                f"difference counts only where it exceeds the larger of that drift and "
+                f"{floor:.0%} ({v.median_threshold:.1%} for the median, {v.p99_threshold:.1%} "
+                f"for the 99th percentile).{aside}")
+    counted = [f"`{p}`" for p, v in verdicts.items()
+               if v.median_word in ("longer", "shorter") or v.p99_word in ("longer", "shorter")]
+    if not counted:
+        tail = " By that test, no policy moved the other streams' gaps."
+    elif len(counted) == len(verdicts):
+        tail = " By that test, every policy moved the other streams' gaps."
+    else:
+        tail = f" By that test, {_join(counted)} moved the other streams' gaps, and no other policy did."
+    return head + tail
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def gap_notes(verdicts: dict[str, GapVerdict]) -> str:
+    """What a gap beyond the threshold may mean, for the directions that occurred."""
+    words = [w for v in verdicts.values() for w in (v.median_word, v.p99_word)]
+    notes = []
+    if "shorter" in words:
+        notes.append("A shorter gap costs the other streams nothing; possible causes, not "
+                     "measured here: under `abort` the batch runs one sequence fewer once the "
+                     "slow stream is cut, and while a stream's writes are paused the front end "
+                     "has less to send, in a process where the event loop, the engine's thread "
+                     "and the clients share one interpreter.")
+    if "longer" in words:
+        notes.append("A longer gap beyond the threshold is a cost the other streams paid while "
+                     "that policy ran; this chapter does not measure its cause.")
+    return " ".join(notes) or "No policy moved a median or a 99th percentile beyond the threshold."
+
+
+def gap_summary(verdicts: dict[str, GapVerdict], drift_measured: bool, floor: float = GAP_FLOOR) -> str:
+    """One line for "What we measured": each policy's median and p99 verdict."""
+    def word(w: str) -> str:
+        return w if w in ("longer", "shorter") else "within"
+    parts = [f"`{p}` median {word(v.median_word)}, 99th percentile {word(v.p99_word)}"
+             for p, v in verdicts.items()]
+    return (f"the other streams' gaps against the control's: {'; '.join(parts)} (threshold: "
+            f"{_threshold_words(drift_measured, floor)})")
+
+
+def lede_sentence(verdicts: dict[str, GapVerdict], limit: float = 1.5) -> str:
+    """The opening's sentence on what a slow reader cost the other streams, for the outcome
+    this run had: nothing beyond the threshold (:func:`gap_verdicts`), a cost short of `limit`
+    times the control's gaps, or `limit` times or more under some policy."""
+    longer = [f"`{p}`" for p, v in verdicts.items() if "longer" in (v.median_word, v.p99_word)]
+    stretched = [f"`{p}`" for p, v in verdicts.items() if max(v.median_ratio, v.p99_ratio) >= limit]
+    if stretched:
+        return (f"A reader that falls behind stretched the other streams' token gaps to {limit} "
+                f"times the control's or more under {_join(stretched)} in this run, though the "
+                "engine never waits for a client.")
+    if longer:
+        return ("A reader that falls behind did not set the other streams' pace here, because "
+                f"the engine never waits for a client, though under {_join(longer)} their token "
+                "gaps grew beyond the threshold set out below.")
+    return ("A reader that falls behind did not lengthen the other streams' token gaps here "
+            "beyond the threshold set out below: the engine never waits for a client.")

@@ -395,8 +395,12 @@ def pooled_speedups(records: Iterable[dict[str, Any]], confidence: float = 0.95)
     """One row per (text_type, drafter, k) of the speculative records: the speed-up over plain
     decoding of the same prompts, with its bootstrap interval and verdict
     (:func:`labkit.util.compare.compare`). Round r's sample of a setting is the sum, over the
-    setting's prompts, of each prompt's r-th timed run (the sweep times in rounds, so these
-    are runs made together); plain decoding is pooled over the same prompts. Row: text_type,
+    setting's prompts, of each prompt's r-th timed run; plain decoding is pooled over the same
+    prompts. Each prompt's runs are interleaved with its own plain runs, but two prompts may
+    be timed in different sweep calls (:func:`chapter_sweep` times the first prompts apart
+    from the others), so a summed round pairs runs of one round number, not of one moment.
+    The interval covers the round-to-round noise of these prompts' timings, not the spread
+    between prompts (see the per-prompt `speedup` of the records). Row: text_type,
     drafter, k, prompts, speedup_x (median plain total / median speculative total), low_x,
     high_x, verdict ("faster", "slower", "within the noise"), relation ("faster than", ...),
     interval (the ratio and interval in words), acceptance_rate and tokens_per_verification
@@ -449,6 +453,103 @@ def break_even_text(alpha: float) -> str:
     if alpha == 0.0:
         return "pays even if every guess fails"
     return f"breaks even at an acceptance rate of {alpha:.2f}"
+
+
+# -- readings that claim a difference only beyond a stated margin ----------------------------------
+
+COST_MARGIN = 0.15
+"""Relative difference below which two timed costs of a pass are read as the same. Chapter
+17's isolated pass timings on a shared 2-core machine have quartile spreads (IQR / median)
+of up to about 10% for a draft step and 4-8% for the target's passes (its full run's
+`pass_costs.csv`); a ratio of two such medians moves by about their sum."""
+
+
+def cost_relation(measured: float, reference: float, margin: float = COST_MARGIN) -> str:
+    """`measured` against `reference` (two costs in one unit) in words for the prose:
+    "more than" or "less than" only beyond `margin` (relative), else "about the same as"."""
+    if measured <= 0 or reference <= 0:
+        raise ValueError("costs are positive")
+    if measured > reference * (1 + margin):
+        return "more than"
+    if measured < reference / (1 + margin):
+        return "less than"
+    return "about the same as"
+
+
+def _and(items: Sequence[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def c_kernel_rows(model) -> int:
+    """The most tokens a pass of `model` can carry and still multiply through labkit's C
+    matrix-vector kernel here, 0 where no pass does. It reads the rule of
+    :class:`labkit.kernels.packed.PackedLinear` off this model on this machine: every matrix
+    packed with `native_gemv`, float32, and the C library built (`native.load()`); then
+    passes of up to `native.MAX_ROWS` tokens take the C kernel and wider ones oneDNN's."""
+    from labkit.kernels import native
+    from labkit.kernels.packed import PackedLinear
+    from labkit.models.llama import MATRICES
+
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return 0
+    matrices = [getattr(layer, name, None) for layer in layers for name in MATRICES]
+    matrices.append(getattr(model, "lm_head", None))
+    if not all(isinstance(m, PackedLinear) and m.native_gemv and m.weight.dtype == torch.float32
+               for m in matrices):
+        return 0
+    return native.MAX_ROWS if native.load() is not None else 0
+
+
+def dispatch_reading(c_rows: int, relative: Mapping[int, float], margin: float = COST_MARGIN) -> str:
+    """Which kernel the target's passes of each size took (`c_rows` from
+    :func:`c_kernel_rows`) and whether that shaped the measured pass costs (`relative`:
+    {tokens: time / one decode step}), in sentences for the prose. A pass on the C kernel
+    that cost more than the first pass on oneDNN beyond `margin` is a hump made by the
+    dispatch threshold, not by the text or the lookahead, and is named as such."""
+    if c_rows <= 0:
+        return ("Here no pass went through labkit's C matrix-vector kernel: every size used "
+                "the same library kernels, so no change of kernel lies inside the curve.")
+    head = (f"Here passes of 1 to {c_rows} tokens went through labkit's C matrix-vector "
+            f"kernel and passes of {c_rows + 1} or more through oneDNN's blocked kernel")
+    after = relative.get(c_rows + 1)
+    if after is None:
+        return head + "; the sizes measured do not reach that change of kernel."
+    dearer = [n for n in sorted(relative)
+              if n <= c_rows and cost_relation(relative[n], after, margin) == "more than"]
+    if not dearer:
+        return (head + f"; no pass on the C kernel cost more than a {c_rows + 1}-token pass "
+                f"on oneDNN beyond {margin:.0%}, so the curve has no hump where the kernel "
+                "changes.")
+    sizes = _and([str(n) for n in dearer])
+    costs = _and([f"{relative[n]:.2f}" for n in dearer])
+    ks = _and([str(n - 1) for n in dearer])
+    return (head + f". Passes of {sizes} tokens, on the C kernel, cost more than a "
+            f"{c_rows + 1}-token pass on oneDNN ({costs} against {after:.2f} decode steps): "
+            "the hump in the curve is that change of kernel, an effect of where the engine "
+            "switches kernels, not of the text or of the lookahead, and the break-even rates "
+            f"and speed-ups at k = {ks} carry it.")
+
+
+def best_setting_reading(rows: Sequence[Mapping[str, Any]], best: Mapping[str, Any]) -> str:
+    """What the fastest setting of :func:`pooled_speedups` (`best`, one of `rows`) shows, in
+    words that claim no more than the sweep: whether its k is the largest tried on its text
+    and drafter (then it is the best tried, not an optimum), and whether its interval
+    overlaps those of the other k (then the sweep does not single it out)."""
+    same = [r for r in rows if r["text_type"] == best["text_type"] and r["drafter"] == best["drafter"]]
+    ks = sorted(int(r["k"]) for r in same)
+    k = int(best["k"])
+    if k == ks[-1] and len(ks) > 1:
+        edge = f"k = {k} is the largest lookahead tried, so it is the best tried, not an optimum"
+    else:
+        edge = f"k = {k} lies within the lookaheads tried ({ks[0]} to {ks[-1]})"
+    close = sorted(int(r["k"]) for r in same
+                   if int(r["k"]) != k and float(r["high_x"]) >= float(best["low_x"]))
+    if close:
+        return (f"{edge}; its interval overlaps that of k = {_and([str(c) for c in close])}, "
+                "so the sweep does not single it out")
+    return f"{edge}; its interval lies above those of the other lookaheads on this text"
 
 
 # -- the rejection rule on a real distribution -------------------------------------------------

@@ -10,7 +10,9 @@ Chapter 27 runs these against `labkit serve` (and the slow-reader study in
   and segment size the caller chooses, read as slowly as the caller likes (:func:`read_slowly`);
   :func:`socket_queues`, :func:`kernel_absorption` and :func:`transport_high_water` measure the
   buffers between the front end and such a reader (:func:`proc_net_tcp_read_s`: why the
-  sockets are asked, not /proc/net/tcp).
+  sockets are asked, not /proc/net/tcp); :func:`tcp_buffer_sysctls` reads the system's
+  socket-buffer limits, :func:`buffer_limits_sentence` sets the measured queues beside them,
+  and :func:`socket_probes_unsupported` says where these Linux-only measurements cannot run.
 * :func:`disconnect_trials`: clients that leave after a few chunks; how long the service keeps
   the request, how many engine steps it runs for it, how long the next request waits.
   :func:`naive_app` builds the naive foil for the same trials.
@@ -24,10 +26,12 @@ import json
 import re
 import socket
 import struct
+import sys
 import termios
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -38,6 +42,7 @@ from labkit.sampling import SamplingParams
 from labkit.util.threads import run_in_thread
 
 MODEL = "smollm2-135m"
+NEXT_TOKENS = 4     # the short request that times an idle server, or one a client just left
 
 
 def completion_body(prompt: list[int], max_tokens: int, model: str = MODEL, **extra) -> dict:
@@ -271,6 +276,59 @@ def proc_net_tcp_read_s(repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def socket_probes_unsupported(platform: str | None = None) -> str | None:
+    """Why the socket measurements (:func:`socket_queues`' ioctls SIOCOUTQ and SIOCINQ,
+    /proc/net/tcp, /proc/sys/net/ipv4) cannot run on `platform` (default: this one), or
+    None where they can: they ask the Linux kernel."""
+    platform = sys.platform if platform is None else platform
+    if platform.startswith("linux"):
+        return None
+    return (f"they ask the Linux kernel (the socket ioctls SIOCOUTQ and SIOCINQ, /proc/net/tcp, "
+            f"/proc/sys/net/ipv4), and this system is {platform}")
+
+
+def tcp_buffer_sysctls(root: str | Path = "/proc/sys/net/ipv4") -> dict[str, tuple[int, int, int]]:
+    """The kernel's TCP socket-buffer sizes in bytes, (min, default, max), of `tcp_wmem` (a
+    socket's send buffer) and `tcp_rmem` (its receive buffer), read from `root` (Linux's
+    /proc/sys/net/ipv4). A name whose file is absent or unreadable is left out."""
+    out = {}
+    for name in ("tcp_wmem", "tcp_rmem"):
+        try:
+            values = tuple(int(x) for x in Path(root, name).read_text().split())
+        except (OSError, ValueError):
+            continue
+        if len(values) == 3:
+            out[name] = values
+    return out
+
+
+def buffer_limits_sentence(absorbed: "KernelAbsorption", limits: dict) -> tuple[bool, str, str]:
+    """(whether the queues of a never-read loopback connection, `absorbed`, ended at the
+    system's limits, the sentence if so, the sentence if not) for :func:`kernel_absorption`
+    with a client socket at its defaults. "At the limits": the send queue within 20% below
+    `tcp_wmem`'s maximum, up to which Linux grows a sending socket's buffer, and the receive
+    queue within 20% below `tcp_rmem`'s default, the size a receive buffer keeps while its
+    application reads nothing. `limits` is :func:`tcp_buffer_sysctls`."""
+    sent, held = absorbed.server_send_queue, absorbed.client_receive_queue
+    if "tcp_wmem" not in limits or "tcp_rmem" not in limits:
+        return (False, "", "This system does not report its TCP buffer sizes in "
+                "/proc/sys/net/ipv4, so they cannot be set beside the queues here.")
+    w, r = limits["tcp_wmem"], limits["tcp_rmem"]
+    at_limits = 0.8 * w[2] <= sent <= w[2] and 0.8 * r[1] <= held <= r[1]
+    sizes = (f"(`net.ipv4.tcp_wmem` is {w[0]:,} {w[1]:,} {w[2]:,} and `net.ipv4.tcp_rmem` "
+             f"{r[0]:,} {r[1]:,} {r[2]:,}: min, default and max bytes)")
+    return (at_limits,
+            f"Those are the system's socket-buffer sizes at work {sizes}: the send queue ended at "
+            f"{sent / w[2]:.0%} of the send buffer's maximum, {w[2]:,} bytes, up to which Linux "
+            "grows the buffer of a socket that has data to send, and the receive queue at "
+            f"{held / r[1]:.0%} of the receive buffer's default, {r[1]:,} bytes, which Linux "
+            "grows only as the application reads.",
+            f"Here the send queue ended at {sent / w[2]:.0%} of the send buffer's maximum and the "
+            f"receive queue at {held / r[1]:.0%} of the receive buffer's default {sizes}, so "
+            "those two sizes alone do not account for where the kernel stopped taking bytes "
+            "on this system.")
+
+
 @dataclass(frozen=True)
 class KernelAbsorption:
     written: int                # bytes `send` took before it would block
@@ -427,7 +485,7 @@ def whole_request(url: str, prompt, max_tokens: int, *, temperature: float = 0.0
     return time.perf_counter() - began, answer.json()["usage"]["completion_tokens"]
 
 
-def idle_wait(url: str, prompt, *, max_tokens: int = 4, temperature: float = 0.0, repeats: int = 3,
+def idle_wait(url: str, prompt, *, max_tokens: int = NEXT_TOKENS, temperature: float = 0.0, repeats: int = 3,
               model: str = MODEL) -> list[float]:
     """Latencies of the short request on an idle server (the next request's baseline)."""
     return [whole_request(url, prompt, max_tokens, temperature=temperature, model=model)[0]
@@ -435,7 +493,7 @@ def idle_wait(url: str, prompt, *, max_tokens: int = 4, temperature: float = 0.0
 
 
 def disconnect_trials(url: str, prompt, next_prompt, *, max_tokens: int, after_chunks: int, trials: int,
-                      next_tokens: int = 4, temperature: float = 0.0, watch_metrics: bool = True,
+                      next_tokens: int = NEXT_TOKENS, temperature: float = 0.0, watch_metrics: bool = True,
                       poll_s: float = 0.005, model: str = MODEL, timeout_s: float = 120.0) -> list[DisconnectTrial]:
     """Clients that stream `prompt` (asking for `max_tokens`) and close their socket after
     `after_chunks` text chunks. With `watch_metrics`, a first client's departure is followed

@@ -24,6 +24,19 @@ from labkit.kernels.quant import (QuantizedInt4Linear, QuantizedInt8Linear, quan
 from labkit.models.llama import MATRICES, LayerWeights, Llama, shallow_copy
 EMBEDDING_SIDES = ("none", "input", "output", "both")
 
+KERNEL_LOGIT_ERROR = 2e-3
+"""Stated bound on |logit difference| between `quantize_model(model, s, g)` and
+`QuantizedLlama(model, s, g, dtype=torch.float32)` on the same tokens, as a share of the
+reference's largest |logit|. Both multiply by the same integers and float32 scales; only
+float32 rounding separates them: the int8 kernel applies each row's scale after its sums
+where fake quantization multiplies by the dequantized weights, and the int4 kernel rebuilds
+(q - 8) * s + z inside its own loop, in its own order of sums. Two float32 paths of this
+model differ by about 1e-5 in logits of up to about 30
+(:data:`labkit.experiments.path_agreement.LOGIT_ERROR` states 1e-3), far below this share
+(0.06 at a logit of 30): room for the kernels' other orders of sums, not for a different
+product. Stated, not fitted to one run; chapter 12 and the tests assert it, and chapter 12
+glues the difference each run measured."""
+
 
 def quantize_weight(w: torch.Tensor, scheme: str, group_size: int = 64):
     """`Int8Weight` (per output channel) or `Int4Weight` (groups of `group_size` inputs)."""

@@ -356,3 +356,26 @@ def measure_decode_steps(model, batches: list[int], prompt_ids: list[int], machi
                      "ratio_whole": t.median / p["whole_step_s"],
                      "ratio_per_op": t.median / p["per_op_s"]})
     return rows
+
+
+def products_vs_step(measured_s: float, predicted_s: float, products_s: float) -> str:
+    """What the one-row products, timed on their own (from memory), say about a decode step
+    the roofline under-predicts, in a sentence for the prose. `measured_s` is the step,
+    `predicted_s` its roofline prediction, `products_s` the products' sum.
+
+    A share of the gap (measured - predicted) makes sense only between 0 and 100%: products
+    that take longer than the whole step over-predict it (the step read its weights faster
+    than the benchmark did), and a step no slower than its prediction has no gap."""
+    gap = measured_s - predicted_s
+    if gap <= 0:
+        return ("Here the step took no longer than the prediction, so there is no gap for "
+                "them to explain.")
+    if products_s > measured_s:
+        return ("The products timed from memory alone took longer than the whole step, so that "
+                "benchmark over-predicts the step: the step read its weights faster than the "
+                "products from memory did. "
+                "This run does not show where the step's bytes came from (part of them may "
+                "stay in the cache between steps); neither the cached nor the from-memory "
+                "benchmark predicts the step here.")
+    share = max(0.0, (products_s - predicted_s) / gap)
+    return f"That accounts for {share:.0%} of the gap between the prediction and the measurement."
