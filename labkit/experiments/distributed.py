@@ -301,13 +301,18 @@ def measured_cost(nbytes: Sequence[float], seconds: Sequence[float]) -> Measured
     return MeasuredCost(tuple(float(x) for x, _ in pairs), tuple(float(y) for _, y in pairs))
 
 
-def measured_comm(samples: Sequence[CommSample]) -> dict[tuple[str, int], MeasuredCost]:
-    """The medians of each (op, procs) as a :class:`MeasuredCost`."""
+def _by_op_and_procs(samples: Sequence[CommSample]) -> dict[tuple[str, int], list[CommSample]]:
+    """The samples grouped by (op, procs), in the order first seen."""
     groups: dict[tuple[str, int], list[CommSample]] = {}
     for s in samples:
         groups.setdefault((s.op, s.procs), []).append(s)
+    return groups
+
+
+def measured_comm(samples: Sequence[CommSample]) -> dict[tuple[str, int], MeasuredCost]:
+    """The medians of each (op, procs) as a :class:`MeasuredCost`."""
     return {key: measured_cost([s.nbytes for s in group], [s.median for s in group])
-            for key, group in groups.items()}
+            for key, group in _by_op_and_procs(samples).items()}
 
 
 @dataclass(frozen=True)
@@ -494,11 +499,8 @@ def comm_seconds(run: RunResult) -> float:
 
 def fit_comm(samples: Sequence[CommSample]) -> dict[tuple[str, int], LinearCost]:
     """A latency + bandwidth fit per (op, procs), on the median of each message size."""
-    groups: dict[tuple[str, int], list[CommSample]] = {}
-    for s in samples:
-        groups.setdefault((s.op, s.procs), []).append(s)
     return {key: fit_linear_cost([s.nbytes for s in group], [s.median for s in group])
-            for key, group in groups.items()}
+            for key, group in _by_op_and_procs(samples).items()}
 
 
 def _not_priced(nbytes: float) -> float:
