@@ -297,6 +297,16 @@ def test_notebook_has_stored_outputs_and_no_errors(ipynb_path):
     assert all("papermill" not in c.metadata and "execution" not in c.metadata for c in nb.cells)
 
 
+@pytest.mark.parametrize("ipynb_path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_stored_outputs_glue_each_key_once(ipynb_path):
+    # myst-nb warns on a key glued twice, and the strict build fails on that warning
+    nb = runner.read_notebook(ipynb_path)
+    names = [o["metadata"]["scrapbook"]["name"] for c in nb.cells if c.cell_type == "code"
+             for o in c.get("outputs", []) if "scrapbook" in o.get("metadata", {})]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"glued more than once in one run: {twice}"
+
+
 @pytest.mark.parametrize("md_path", SOURCES, ids=_ids(SOURCES))
 def test_md_and_ipynb_inputs_in_sync(md_path):
     md_cells = runner.cell_inputs(runner.read_source(md_path))
