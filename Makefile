@@ -93,8 +93,13 @@ test-notebooks: model
 # the C kernels built for Haswell). Run it before resolving an issue that touches kernels
 # or numerics; it takes about two hours on 2 cores, so CI does not. Every row runs; the
 # summary is in _build/test-matrix.txt and the exit code is 1 if any row failed.
+# The emulated AVX2 machine has an Inductor cache of its own, as a real one would: Inductor's
+# cache key leaves out ATEN_CPU_CAPABILITY, so kernels generated for AVX-512 (16 floats a
+# vector) were reused, compiled for AVX2 (8 a vector), and wrote past their buffers (NaN
+# logits in tests/test_experiments_compilation.py, or a segfault).
 AVX2_MACHINE := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-  LABKIT_NATIVE_ARCH=haswell LABKIT_CACHE_SIZES=L1=32KiB,L2=512KiB,L3=32MiB
+  LABKIT_NATIVE_ARCH=haswell LABKIT_CACHE_SIZES=L1=32KiB,L2=512KiB,L3=32MiB \
+  TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-avx2
 UNIT_ROWS := "LABKIT_NATIVE=0" "LABKIT_NATIVE_ARCH=x86-64" "ONEDNN_MAX_CPU_ISA=AVX2" \
   "ONEDNN_MAX_CPU_ISA=SSE41" "OMP_NUM_THREADS=1" "OMP_NUM_THREADS=2" "$(AVX2_MACHINE)"
 NOTEBOOK_ROWS := "LABKIT_NATIVE=0" "$(AVX2_MACHINE)"
