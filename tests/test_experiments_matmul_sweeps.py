@@ -211,7 +211,8 @@ def test_device_sweep_runs_all_three_on_the_cpu(fixed_timer):
     assert all(c["threads"] is None and c["device"] == "cpu" for c in fixed_timer)
 
 
-def test_cpu_caches_reads_sysfs(tmp_path):
+def test_cpu_caches_reads_sysfs(tmp_path, monkeypatch):
+    monkeypatch.delenv("LABKIT_CACHE_SIZES", raising=False)  # the override replaces sysfs (the test matrix sets it)
     for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"),
                                               (2, "Unified", "1024K"), (3, "Unified", "32M")]):
         folder = tmp_path / "cpu0" / "cache" / f"index{i}"
