@@ -14,9 +14,11 @@ from labkit.engine.sequence import Sequence
 from labkit.sampling import SamplingParams
 
 ATOL = 1e-4
-# A request's logprobs batched beside another and alone on the engine's fast path: float32 sums
-# over other row counts (measured under 1e-5 on these prompts).
-BATCH_LOGPROB_ERROR = 1e-5
+# A request's logprobs batched beside another and alone: two float32 paths that sum in another
+# order (other row counts, so other GEMM blocking), held to the bound the engine meets against
+# `transformers`. Measured on these prompts: under 1e-5 with labkit's C kernels, 1.4e-5 with
+# them off (LABKIT_NATIVE=0, oneDNN's GEMM), where an earlier bound of 1e-5 failed.
+BATCH_LOGPROB_ERROR = ATOL
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
 K = 5
 # The SmolLM2 tests: whichever runs first loads the model and its reference (about 6 s).
