@@ -11,6 +11,7 @@ import pytest
 from conftest import (GGUF_LOGIT_ERROR, PROMPTS, SMOL_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores,
                       hf_greedy_scores)
 from labkit.engine.loop import generate
+from labkit.kernels import native
 from labkit.sampling import SamplingParams
 
 NEW_TOKENS = 24
@@ -78,6 +79,12 @@ def test_empty_prompt_is_refused(model):
         generate(model, "", SamplingParams(temperature=0.0))
 
 
+# the default weights ("gguf") and "gguf-int8" run on labkit's C kernels; where they do not
+# load, the fallback is tested below (test_cli_falls_back_to_f32_where_the_default_cannot_run)
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+
+
+@needs_kernels
 def test_cli_json(model):
     out = subprocess.run(
         [sys.executable, "-m", "labkit.cli", "generate", PROMPTS[0], "--max-tokens", "5", "--json"],
@@ -96,6 +103,7 @@ def test_cli_json(model):
     assert record["timings"]["prefill"] > 0
 
 
+@needs_kernels
 def test_cli_generates_on_the_files_blocks(model):
     """`--weights gguf-int8` runs the block model with activations rounded to 8 bits: its
     tokens are that model's, and on this prompt they part from float32's within 16 tokens."""

@@ -54,6 +54,7 @@ def test_the_kernel_rounds_x_as_pytorch_does():
     assert torch.equal(native.gemv_blocks(x, eye, "BF16"), round_to_bf16(x))
 
 
+@needs_kernels
 def test_the_bf16_kernel_refuses_8_bit_activations():
     with pytest.raises(ValueError, match="bfloat16"):
         native.gemv_blocks(torch.zeros(1, 32), bf16_rows(torch.zeros(4, 32)), "BF16", quantize_x=True)
