@@ -6,7 +6,11 @@ import warnings
 import pytest
 import torch
 
+from labkit.kernels import native
 from labkit.util.near_tie import AgreementSummary, compare_greedy, flip_tolerance
+
+# tests of labkit's C kernels, or of what runs on them, skip where they do not load
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores, make_tiny_llama
+from conftest import TINY_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores, make_tiny_llama, needs_kernels
 from labkit.experiments import kernel_timings as kernels
 from labkit.util.timing import Timing
 from labkit.kernels import native
@@ -18,7 +18,7 @@ def test_without_the_c_kernel_there_is_no_c_row(monkeypatch):
     assert list(models) == ["F.linear (MKL)", "oneDNN, packed weights"]
 
 
-@pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+@needs_kernels
 def test_matrix_kernel_models_are_the_same_weights_three_ways():
     model = make_tiny_llama(seed=8)
     models = kernels.matrix_kernel_models(model)

@@ -5,7 +5,7 @@ finds the first differing step and the margins there."""
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, needs_kernels
 from labkit.engine.backends import ReferenceBackend
 from labkit.experiments import runtime_choices as rc
 from labkit.experiments.path_agreement import BF16_LOGIT_ERROR, LOGIT_ERROR
@@ -154,7 +154,7 @@ def test_counting_passes_counts_each_path_and_restores_both(monkeypatch):
     assert gguf_blocks.BlockLlama.forward is forward and native.decoder_layers_blocks is layers
 
 
-@pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+@needs_kernels
 def test_bf16_prefill_takes_onednn_and_one_token_steps_the_c_layers(model):
     prompt = model.tokenizer.encode("The three primary colours of light are red, green and")
     assert len(prompt) > native.MAX_ROWS

@@ -9,9 +9,8 @@ import sys
 import pytest
 
 from conftest import (GGUF_LOGIT_ERROR, PROMPTS, SMOL_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores,
-                      hf_greedy_scores)
+                      hf_greedy_scores, needs_kernels)
 from labkit.engine.loop import generate
-from labkit.kernels import native
 from labkit.sampling import SamplingParams
 
 NEW_TOKENS = 24
@@ -81,9 +80,6 @@ def test_empty_prompt_is_refused(model):
 
 # the default weights ("gguf") and "gguf-int8" run on labkit's C kernels; where they do not
 # load, the fallback is tested below (test_cli_falls_back_to_f32_where_the_default_cannot_run)
-needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
-
-
 @needs_kernels
 def test_cli_json(model):
     out = subprocess.run(

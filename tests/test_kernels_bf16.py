@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_argmax_near, assert_greedy_near, chosen_scores
+from conftest import assert_argmax_near, assert_greedy_near, chosen_scores, needs_kernels
 from labkit.engine.backends import KV_DTYPES, backend_for, kv_dtype_for
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.paged_cache import KVPool, PagedBatch
@@ -17,7 +17,6 @@ from labkit.kernels.gguf_blocks import round_to_bf16
 from labkit.models.llama import Llama, decoder_layer
 from labkit.sampling import SamplingParams
 
-needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
 PORTABLE = ("-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import needs_kernels
 from labkit.kernels import dispatch, native
 from labkit.kernels.bf16_weights import OneDNNBF16Linear, bf16_model
 from labkit.kernels.gguf_blocks import round_to_bf16
@@ -24,8 +25,9 @@ def onednn_bf16_refusal() -> str | None:
     return None
 
 
-needs_onednn_bf16 = pytest.mark.skipif(onednn_bf16_refusal() is not None,
-                                       reason=f"oneDNN's bfloat16 linear does not run here: {onednn_bf16_refusal()}")
+ONEDNN_BF16_REFUSAL = onednn_bf16_refusal()  # probed once, at collection
+needs_onednn_bf16 = pytest.mark.skipif(ONEDNN_BF16_REFUSAL is not None,
+                                       reason=f"oneDNN's bfloat16 linear does not run here: {ONEDNN_BF16_REFUSAL}")
 
 
 def test_the_report_names_what_runs(monkeypatch):
@@ -39,7 +41,7 @@ def test_the_report_names_what_runs(monkeypatch):
     assert "not in use (switched off by LABKIT_NATIVE=0)" in dispatch.dispatch_line(off)
 
 
-@pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
+@needs_kernels
 def test_the_build_reports_the_paths_it_compiled(tmp_path):
     portable = native.compile_library(tmp_path, ("-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC"))
     assert native.build_features(portable) == []  # the plain C loops, nothing else

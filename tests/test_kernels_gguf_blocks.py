@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import GGUF_LOGIT_ERROR, assert_greedy_near, chosen_scores
+from conftest import GGUF_LOGIT_ERROR, assert_greedy_near, chosen_scores, needs_kernels
 from labkit.engine.backends import PREFERRED_WEIGHTS, GGUFBackend, backend_for, prepare_weights
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.kernels import gguf_blocks as gb
@@ -17,7 +17,6 @@ from labkit.models import registry
 from labkit.models.gguf_file import open_reader, raw_blocks
 from labkit.sampling import SamplingParams
 
-needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")
 KINDS = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
 
 
