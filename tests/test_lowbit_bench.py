@@ -7,9 +7,11 @@ import labkit
 from labkit.bench import lowbit
 from labkit.bench.suite import Bench, figure
 from labkit.eval import eval_text
+from conftest import needs_kernels
 
 
 @pytest.mark.slow
+@needs_kernels
 def test_lowbit_decode_without_llama_cpp_marks_its_row_not_run(monkeypatch):
     """The real model in quick sizes: every weights mode decodes, and with llama.cpp absent
     (the binding and its own tools) the comparisons with it are NOT_RUN with the reason,
@@ -26,6 +28,7 @@ def test_lowbit_decode_without_llama_cpp_marks_its_row_not_run(monkeypatch):
 
 
 @pytest.mark.slow
+@needs_kernels
 def test_lowbit_batch_without_vllm_marks_its_row_not_run(monkeypatch):
     """The batch workload in quick sizes in every mode; with vLLM absent its comparison is
     NOT_RUN with the reason, and the modes' own figures are measured."""
@@ -39,3 +42,16 @@ def test_lowbit_batch_without_vllm_marks_its_row_not_run(monkeypatch):
     same = figures[1]
     assert same.value == same.baseline > 0, same.details["agreement"]
     assert same.details["equal"] + same.details["excused"] == same.value
+
+
+def test_without_the_c_kernels_every_lowbit_row_is_not_run_with_the_reason(monkeypatch):
+    """Every low-precision mode runs on labkit's C kernels and a named mode never falls back
+    to float32, so where they do not load each section reports NOT_RUN with why, instead of
+    failing (or timing float32 under a low-precision name)."""
+    monkeypatch.setattr(lowbit.native, "load", lambda: None)
+    monkeypatch.setattr(lowbit.native, "why_unavailable", lambda: "switched off by LABKIT_NATIVE=0")
+    quick = Bench(model=None, text_ids=[], quick=True)  # nothing may be run: no model is needed
+    figures = [*lowbit.decode(quick, figure), *lowbit.batch(quick, figure), *lowbit.quality(quick, figure)]
+    assert len(figures) == len(lowbit.LOW_BITS) + 2
+    assert all(f.passed is None and "LABKIT_NATIVE=0" in f.not_run for f in figures)
+    assert all("C kernels" in f.not_run for f in figures)

@@ -14,9 +14,12 @@ import pytest
 
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
+from conftest import needs_kernels
 from live_server import LiveServer
 
-pytestmark = pytest.mark.slow
+# both modes run on labkit's C kernels; a server told to use one where they do not load
+# refuses to start and says why; it never serves float32 instead
+pytestmark = [pytest.mark.slow, needs_kernels]
 # How far the served log-probabilities may be from the same configuration's in this process,
 # and how far apart (on some step both share) the other configuration's must be: float32
 # rounding is ~1e-5; 8-bit activations and a bfloat16 cache move a log-probability by ~1e-2.

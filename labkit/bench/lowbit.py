@@ -17,7 +17,8 @@ against llama.cpp on the same file with the same threads.
     batch also runs vLLM's CPU build (its own venv, `make peers`) on the batch workload in
              float32 and bfloat16, against the best labkit mode.
 
-Where llama.cpp or vLLM is not installed its figures are NOT_RUN, with the reason.
+Where llama.cpp or vLLM is not installed its figures are NOT_RUN, with the reason; so are all
+the figures where labkit's C kernels do not load (every low-precision mode runs on them).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from labkit.engine.backends import WEIGHTS
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.paged_cache import KVPool, PagedBatch
 from labkit.eval import eval_text, score_tokens
+from labkit.kernels import native
 from labkit.models import registry
 
 LOW_BITS = tuple(w for w in WEIGHTS if w != "f32")
@@ -55,7 +57,24 @@ TEST_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    if n < 2:\n 
                 "List three colours:", "Once upon a time, in a small village by the sea,")
 
 
+def why_not_low_bits() -> str | None:
+    """Why the low-precision modes cannot run on this machine, or None where they can: each
+    reads its weights through labkit's C kernels, and a mode named explicitly never falls
+    back to float32, so without them there is nothing to compare."""
+    if native.load() is not None:
+        return None
+    return f"the low-precision modes run on labkit's C kernels, which do not load here: {native.why_unavailable()}"
+
+
+def _not_run(figure, reason: str, rows: list[tuple[str, str, str]]) -> list:
+    return [figure("lowbit", what, float("nan"), float("nan"), unit, float("nan"), target, not_run=reason)
+            for what, unit, target in rows]
+
+
 def decode(bench, figure) -> list:
+    if (why_not_modes := why_not_low_bits()) is not None:
+        return _not_run(figure, why_not_modes, [(f"single-stream decode, {w} vs f32", "tokens/s", DECODE_TARGET[w])
+                                                for w in LOW_BITS])
     tokens, rounds = bench.size(128, 8), bench.size(5, 1)
     prompt = bench.text_ids[:16]
     threads = torch.get_num_threads()
@@ -103,6 +122,9 @@ def decode(bench, figure) -> list:
 
 
 def batch(bench, figure) -> list:
+    if (why_not_modes := why_not_low_bits()) is not None:
+        return _not_run(figure, why_not_modes, [("continuous batching, the best low-precision mode vs f32",
+                                                 "output tokens/s", ">= 1.5")])
     work, rounds = bench.batch_workload(), bench.size(3, 1)
     runs = {w: [] for w in WEIGHTS}
     for round_ in range(rounds):  # the modes take turns, so a drift of the machine hits all
@@ -167,6 +189,9 @@ def _config(bench, weights: str, **scheduling) -> EngineConfig:
 
 
 def quality(bench, figure) -> list:
+    if (why_not_modes := why_not_low_bits()) is not None:
+        return _not_run(figure, why_not_modes, [("largest logit difference from f32 along the test prompts, "
+                                                 "gguf (float32 x)", "logit", "<= 0.001")])
     model = bench.model
     prompts = [model.tokenizer.encode(p) for p in TEST_PROMPTS]
     tokens = bench.size(32, 8)
