@@ -72,9 +72,9 @@ def test_bf16_model_decodes_as_the_rounded_model_does(model):
     product there). Rounding x to bfloat16 makes the model chaotic at its own scale: a
     last-bit difference in the order of the sums moves a value to the next bfloat16 (0.4%)
     and the layers above carry it on, so two orders of the same sums part by about as much
-    as bfloat16 parts from float32 (chapter 12 measures this for 8 bits). So each path is
-    held to float32 as closely as the other, and to the same greedy tokens; the layers
-    themselves are compared in `test_the_c_layer_...` below."""
+    as bfloat16 parts from float32 (chapter 12 measures this for 8 bits). So the C path is
+    held to float32 within twice the rounded model's distance, both paths to the same greedy
+    tokens; the layers themselves are compared in `test_the_c_layer_...` below."""
     ids = model.tokenizer.encode("The capital of France is")
     fast, dense = bf16_model(model), bf16_model(model, max_rows=0)
 
@@ -85,7 +85,10 @@ def test_bf16_model_decodes_as_the_rounded_model_does(model):
 
     got, want, f32 = step_logits(fast), step_logits(dense), step_logits(model)
     apart, apart_dense = (got - f32).abs().mean(), (want - f32).abs().mean()
-    assert 1e-2 < apart < 1.5 * apart_dense and apart_dense < 1.5 * apart
+    # the C path is bfloat16 (a float32 path parts by ~1e-5) and parts from float32 no more
+    # than twice as far as the rounded model does; which of the two lands closer depends on
+    # the build (a baseline x86-64 build of the kernels: 0.06 against oneDNN's 0.11)
+    assert 1e-2 < apart < 2 * apart_dense, (apart, apart_dense)
     # two numerical paths each: the argmax agrees at every position under the near-tie rule
     for path, logits in (("C kernels", got), ("oneDNN", want)):
         assert_argmax_near(f32, logits, BF16_MODEL_LOGIT_ERROR, what=f"bf16 weights ({path}) against float32")
