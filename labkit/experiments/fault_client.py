@@ -76,15 +76,16 @@ class LiveService:
 # -- the service's view of itself ------------------------------------------------------------
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {series: value}; a series is its name with its labels as printed
-    (``labkit_requests_total{outcome="ok",route="chat"}``). Comments are skipped."""
+    """Prometheus text -> {series: value}, read with prometheus_client's own parser; a series
+    is its sample's name with its labels sorted as Prometheus prints them, less `model_name`
+    (one server serves one model): ``labkit:requests_total{outcome="ok",route="chat"}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        out[series] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
 
 
@@ -108,8 +109,8 @@ def ready(url: str) -> bool:
 def idle(m: dict[str, float]) -> bool:
     """Nothing runs, nothing waits, no KV block is held (False while the gauges are absent:
     a fresh worker has not sent its first snapshot yet)."""
-    return all(m.get(name) == 0 for name in ("labkit_running_sequences", "labkit_queue_length",
-                                               "labkit_kv_blocks_used"))
+    return all(m.get(name) == 0 for name in ("labkit:num_requests_running", "labkit:num_requests_waiting",
+                                               "labkit:kv_blocks_used"))
 
 
 def wait_until(condition, timeout: float = 60.0, interval: float = 0.02) -> float:
