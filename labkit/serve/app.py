@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from labkit.engine.output import encode_prompt
 from labkit.sampling import SamplingParams
-from labkit.serve import responses
+from labkit.serve import prompt_ids, responses
 from labkit.serve.access import install_request_ids
 from labkit.serve.admission import QUEUE_POLICIES, AdmissionControl
 from labkit.serve.calls import Call
@@ -54,6 +53,7 @@ class ServeSettings:
     default_deadline_ms: float | None = None
     request_timeout: float | None = 600.0               # s from arrival to the end; None: no limit
     max_concurrent_per_key: int | None = None           # open requests per API key; None: no limit
+    sse_keepalive_seconds: float | None = 15.0          # a silent stream gets an SSE comment; None: never
     engine_concurrency: int = 64                        # the engine's max_num_seqs
     drain_timeout: float = 25.0                         # s that running requests get after SIGTERM
     log_prompts: bool = False                           # prompt and output text in the access log
@@ -260,11 +260,8 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             if not open_per_key[tenant]:
                 del open_per_key[tenant]
 
-    def encode(prompt, param: str) -> list[int]:
-        try:
-            return encode_prompt(prompt, tokenizer, client.limits.vocab_size if client.limits else None)
-        except ValueError as error:
-            raise invalid(str(error), param) from None
+    def vocab_size() -> int | None:
+        return client.limits.vocab_size if client.limits else None
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
@@ -309,7 +306,10 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             prompts = fields.prompt
             if isinstance(prompts, str) or isinstance(prompts[0], int):
                 prompts = [prompts]
-            encoded = [encode(p, "prompt") for p in prompts]
+            try:
+                encoded = await prompt_ids.completion_ids(prompts, tokenizer, vocab_size())
+            except ValueError as error:
+                raise invalid(str(error), "prompt") from None
             marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
             for ids in encoded:
@@ -329,7 +329,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             raise
         call = Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
                      fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks,
-                     admission.token, closed)
+                     admission.token, closed, keepalive_s=settings.sse_keepalive_seconds)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=False, include_usage=usage)
@@ -350,10 +350,9 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                         for m in fields.messages]
             try:
-                ids = tokenizer.encode_chat(messages)
+                ids = await prompt_ids.chat_ids(messages, tokenizer, vocab_size())
             except ValueError as error:
                 raise invalid(str(error), "messages") from None
-            ids = encode(ids, "messages")
             marks["tokenized"] = time.perf_counter()
             limit = fields.max_completion_tokens or fields.max_tokens
             max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
@@ -374,7 +373,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             raise
         call = Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
                      logprobs is not None, arrival, metrics, token_text, fields.user, marks,
-                     admission.token, closed, fields.metadata)
+                     admission.token, closed, fields.metadata, keepalive_s=settings.sse_keepalive_seconds)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)

@@ -82,6 +82,7 @@ class Call:
     on_closed: object = None
     metadata: dict[str, str] | None = None  # chat's `metadata`: informational, like `user`
     record: RequestRecord | None = None     # its access-log line (labkit.serve.access)
+    keepalive_s: float | None = 15.0        # a stream silent this long gets an SSE comment
     _first: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its first token's arrival
     _last: dict[int, float] = field(default_factory=dict, init=False)    # choice -> its newest token's arrival
     _ended: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its output's arrival
@@ -169,12 +170,15 @@ class Call:
             if self.on_closed is not None:
                 self.on_closed(stream)
 
-    async def _events(self):
-        """(choice index, event) from every stream, in the order they arrive."""
+    async def _events(self, keepalive_s: float | None = None):
+        """(choice index, event) from every stream, in the order they arrive; with
+        `keepalive_s`, None after each such stretch in which nothing came."""
         pending = {asyncio.ensure_future(s.next()): p for p, s in enumerate(self.streams)}
         try:
             while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED, timeout=keepalive_s)
+                if not done:
+                    yield None
                 for task in done:
                     p = pending.pop(task)
                     event = task.result()
@@ -262,16 +266,23 @@ class Call:
     async def _sse(self, chat: bool, include_usage: bool):
         outcome, failure = "cancelled", None
         lengths: dict[int, int] = {}
+        # with include_usage, every chunk but the last carries "usage": null (OpenAI's shape)
+        usage = {"usage": None} if include_usage else {}
         try:
             if chat:
                 for index in range(self.n):
                     role = {"role": "assistant", "content": ""}
-                    yield sse(responses.chat_chunk(self.response_id, self.created, self.model, index, role, None))
-            async for index, event in self._events():
+                    yield sse(responses.chat_chunk(self.response_id, self.created, self.model, index, role, None)
+                              | usage)
+            async for item in self._events(self.keepalive_s):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                index, event = item
                 chunk = self._chunk(chat, index, event, lengths.get(index, 0))
                 lengths[index] = lengths.get(index, 0) + len(event.text)
                 if chunk is not None:
-                    yield sse(chunk)
+                    yield sse(chunk | usage)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 outputs = [s.output for s in self.streams]
@@ -284,6 +295,12 @@ class Call:
             self.abort_all()
             self.finish(outcome, failure)
         yield "data: [DONE]\n\n"
+
+
+# An SSE comment: clients skip it; a proxy or load balancer sees bytes, so a request that
+# waits in the queue (or in a long prefill) is not cut off as idle.
+KEEPALIVE = ": keep-alive\n\n"
+
 
 
 def sse(payload: dict) -> str:

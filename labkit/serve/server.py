@@ -154,7 +154,7 @@ def serve(args) -> int:
                                  engine_concurrency=args.max_num_seqs, drain_timeout=args.drain_timeout,
                                  request_timeout=args.request_timeout or None,
                                  max_concurrent_per_key=args.max_concurrent_per_key,
-                                 log_prompts=args.log_prompts)
+                                 log_prompts=args.log_prompts, sse_keepalive_seconds=args.sse_keepalive or None)
         client = make_client(args)
         app = build_app(client, load_tokenizer(args.model), settings)
     sock = bind(args.host, args.port)
@@ -299,6 +299,8 @@ def add_arguments(parser) -> None:
                         help="waiting requests for bounded and drop-expired (default: --max-num-seqs)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds a request may take from arrival to its end (0: no limit)")
+    parser.add_argument("--sse-keepalive", type=float, default=15.0,
+                        help="seconds of silence after which a stream gets an SSE comment (0: never)")
     parser.add_argument("--max-concurrent-per-key", type=int, default=None,
                         help="open requests per API key (needs --api-key-file); over it: 429")
     parser.add_argument("--default-deadline-ms", type=float,
