@@ -235,6 +235,7 @@ class Outcome:
     expected: str | None = None     # its solo run's text, where it has one
     shape_ok: bool | None = None    # an error body in exactly OpenAI's shape
     attempts: int = 1
+    done: bool = False              # a stream's [DONE] arrived (after an error event, too)
     parts: list[str] = field(default_factory=list)       # the text of each attempt
     chunk_s: list[float] = field(default_factory=list, repr=False)  # chunk arrivals, from send
     sent_at: float | None = None    # perf_counter
@@ -288,7 +289,7 @@ async def stream(client: httpx.AsyncClient, url: str, request: dict, out: Outcom
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
-                    finished = True
+                    finished = out.done = True
                     break
                 payload = json.loads(line[6:])
                 if "error" in payload:

@@ -18,7 +18,8 @@ and a fresh greedy request gives the expected text.
   many trials, streamed and whole, against one engine step (:func:`engine_step_seconds`).
 
 The scenarios about timeouts, retries, a cancel during a restart and a random mix of
-everything are in :mod:`labkit.experiments.fault_policies`; the client side (the live
+everything are in :mod:`labkit.experiments.fault_policies`; a hung worker, a crash loop and a
+SIGTERM drain in :mod:`labkit.experiments.supervision_faults`; the client side (the live
 service, metrics, one request as its client saw it, the retry rules) in
 :mod:`labkit.experiments.fault_client`.
 """

@@ -263,18 +263,24 @@ class WorkerEngine:
         process.start()
         self._process = process
         deadline = time.monotonic() + self.start_timeout
-        while True:
-            if not process.is_alive():
-                raise RuntimeError(f"the engine worker exited with code {process.exitcode} while starting")
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"the engine worker did not start within {self.start_timeout:.0f} s")
-            if await self._events.poll(timeout=200):
-                ready = await self._events.recv_pyobj()
-                if isinstance(ready, StartFailed):
-                    await asyncio.to_thread(process.join, 10)
-                    raise RuntimeError(f"the engine worker failed to start: {ready.reason}")
-                break
+        try:
+            while True:
+                if not process.is_alive():
+                    raise RuntimeError(f"the engine worker exited with code {process.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    process.kill()
+                    raise RuntimeError(f"the engine worker did not start within {self.start_timeout:.0f} s")
+                if await self._events.poll(timeout=200):
+                    ready = await self._events.recv_pyobj()
+                    if isinstance(ready, StartFailed):
+                        await asyncio.to_thread(process.join, 10)
+                        raise RuntimeError(f"the engine worker failed to start: {ready.reason}")
+                    break
+        except BaseException:
+            # a failed start's sockets are closed here: left open, they would block the
+            # context's term() in stop(), and a failed server would never exit
+            self._close_sockets()
+            raise
         self.limits, self.worker_pid, self.weights = ready.limits, ready.pid, ready.weights
         self.context_note = ready.context_note
         if ready.weights_fallback and self._generation == 1:
