@@ -355,6 +355,9 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
                 raise invalid(str(error), "messages") from None
             marks["tokenized"] = time.perf_counter()
             limit = fields.max_completion_tokens or fields.max_tokens
+            if client.limits is None:  # the rest of the context is not known yet
+                raise APIError(503, "the engine is starting", "engine_unavailable",
+                               retry_after=settings.retry_after_seconds)
             max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
             check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages",
                        fields.n or 1, ())
