@@ -152,6 +152,15 @@ def _cmd_book(args) -> int:
 def _cmd_bench(args) -> int:
     from labkit.bench.suite import run_bench
 
+    if args.figures == ["soak"]:
+        from labkit.bench.soak import SoakConfig, run_soak, summary_line
+
+        record = run_soak(SoakConfig(minutes=args.minutes, clients=args.clients, model=args.model,
+                                     threads=args.threads), args.out if args.out != "results/bench" else
+                          "results/bench/soak")
+        print(summary_line(record))
+        return 0 if record["verdicts"]["passed"] else 1
+
     try:
         figures = run_bench(args.figures or None, quick=args.quick, out=args.out,
                             model_name=args.model, threads=args.threads)
@@ -212,12 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     book.set_defaults(func=_cmd_book)
 
     bench = sub.add_parser("bench", help="benchmark the serving engine against its baselines")
-    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix, serve, lowbit (default: all)")
+    bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix, serve, lowbit (default: "
+                                                  "all); or soak alone: a bounded soak of labkit serve")
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the plumbing only")
     bench.add_argument("--out", default="results/bench", help="folder for summary.json and the records")
     bench.add_argument("--model", default="smollm2-135m")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--check", action="store_true", help="exit 1 if a figure misses its target")
+    bench.add_argument("--minutes", type=float, default=10.0, help="soak: how long the clients run")
+    bench.add_argument("--clients", type=int, default=8, help="soak: clients at once")
     bench.set_defaults(func=_cmd_bench)
 
     from labkit.serve.server import add_arguments

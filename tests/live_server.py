@@ -7,6 +7,7 @@ import time
 
 import httpx
 
+from labkit.experiments.fault_client import parse_metrics
 from labkit.serve.server import ServerProcess
 
 
@@ -14,11 +15,13 @@ class LiveServer(ServerProcess):
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.url + path, timeout=60, **kwargs)
 
+    def metrics(self) -> dict[str, float]:
+        """{series: value}, series named as `fault_client.parse_metrics` names them (labels
+        sorted, less model_name): 'labkit:requests_total{outcome="ok",route="chat"}'."""
+        return parse_metrics(self.get("/metrics").text)
+
     def metric(self, name: str) -> float:
-        for line in self.get("/metrics").text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        return self.metrics()[name]
 
     def wait_until(self, condition, timeout: float = 10.0, interval: float = 0.05) -> float:
         """Seconds until `condition()` held; AssertionError after `timeout`."""
@@ -30,8 +33,9 @@ class LiveServer(ServerProcess):
         return time.monotonic() - start
 
     def idle(self) -> bool:
-        return (self.metric("labkit_running_sequences") == 0 and self.metric("labkit_queue_length") == 0
-                and self.metric("labkit_kv_blocks_used") == 0)
+        m = self.metrics()  # False while the engine's gauges are absent (a worker restarting)
+        return all(m.get(name) == 0 for name in ("labkit:num_requests_running", "labkit:num_requests_waiting",
+                                                   "labkit:kv_blocks_used"))
 
     def ready(self) -> bool:
         try:

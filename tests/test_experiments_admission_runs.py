@@ -79,11 +79,11 @@ def test_classify_by_status_code_and_client_clock():
     assert ar.classify(record(e2e=2.0), d) == "in_time"
     assert ar.classify(record(e2e=2.0001), d) == "late"
     assert ar.classify(record(status=None), d) == "unanswered"
-    assert ar.classify(record(status=429, code="queue_full"), d) == "refused"
+    assert ar.classify(record(status=503, code="queue_full"), d) == "refused"
     assert ar.classify(record(status=503, code="deadline_unreachable"), d) == "refused"
     assert ar.classify(record(status=503, code="deadline_expired"), d) == "dropped"
     assert ar.classify(record(status=503, code="engine_unavailable"), d) == "failed"
-    assert ar.error_code(record(status=429, code="queue_full")) == "queue_full"
+    assert ar.error_code(record(status=503, code="queue_full")) == "queue_full"
     # the server stopping at the give-up time answers what is open with 500
     assert ar.classify(record(status=500, e2e=9.0), d, give_up_s=8.0) == "unanswered"
     assert ar.classify(record(status=500, e2e=7.0), d, give_up_s=8.0) == "failed"
@@ -94,7 +94,7 @@ def test_engine_span_adds_the_stages_before_the_engine_to_the_send_time():
               "queue": 485.0, "prefill": 100.0, "decode": 200.0, "to-front-end": 7.0, "serialize": 1.0}
     start, finish = ar.engine_span(record(sent=10.0, timing=timing))
     assert start == pytest.approx(10.5) and finish == pytest.approx(10.8)
-    assert ar.engine_span(record(status=429, code="queue_full")) is None
+    assert ar.engine_span(record(status=503, code="queue_full")) is None
 
 
 def records_from(result: sim.SimResult, prefill_share: float = 0.3, gap: float = 0.0):
@@ -109,7 +109,7 @@ def records_from(result: sim.SimResult, prefill_share: float = 0.3, gap: float =
             out.append(record(r.index, r.arrival, 200, o.finish - gap - r.arrival, timing=timing))
         elif o.status == "refused":
             code = "queue_full" if o.reason == "queue full" else "deadline_unreachable"
-            out.append(record(r.index, r.arrival, 429 if code == "queue_full" else 503, 0.001, code))
+            out.append(record(r.index, r.arrival, 503, 0.001, code))
         else:
             out.append(record(r.index, r.arrival, 503, o.ended - r.arrival, "deadline_expired"))
     return out

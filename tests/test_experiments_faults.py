@@ -23,25 +23,30 @@ from labkit.util.near_tie import flip_tolerance, top_two_margins
 
 # -- pure helpers ------------------------------------------------------------------------------
 
-METRICS_TEXT = """# HELP labkit_queue_length requests waiting for the engine
-# TYPE labkit_queue_length gauge
-labkit_queue_length 2.0
-# TYPE labkit_preemptions_total counter
-labkit_preemptions_total 7.0
-labkit_requests_total{outcome="ok",route="completions"} 13.0
-labkit_requests_total{outcome="cancelled",route="chat"} 1.0
-labkit_e2e_request_latency_seconds_bucket{le="0.005"} 0.0
+METRICS_TEXT = """# HELP labkit:num_requests_waiting sequences waiting for the engine
+# TYPE labkit:num_requests_waiting gauge
+labkit:num_requests_waiting{model_name="m"} 2.0
+# TYPE labkit:num_preemptions counter
+labkit:num_preemptions_total{model_name="m"} 7.0
+# TYPE labkit:requests counter
+labkit:requests_total{model_name="m",outcome="ok",route="completions"} 13.0
+labkit:requests_total{model_name="m",outcome="cancelled",route="chat"} 1.0
+# TYPE labkit:e2e_request_latency_seconds histogram
+labkit:e2e_request_latency_seconds_bucket{le="0.3",model_name="m"} 0.0
 """
 
 
-def test_metrics_are_parsed_as_prometheus_reads_them():
+def test_metrics_are_parsed_as_prometheus_reads_them_less_the_model_name():
     ours = fc.parse_metrics(METRICS_TEXT)
     theirs = {}
     for family in text_string_to_metric_families(METRICS_TEXT):
         for sample in family.samples:
+            assert sample.labels.pop("model_name") == "m"
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             theirs[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     assert ours == theirs
+    assert ours['labkit:requests_total{outcome="cancelled",route="chat"}'] == 1.0
+    assert ours["labkit:num_requests_waiting"] == 2.0 and ours["labkit:num_preemptions_total"] == 7.0
 
 
 def test_the_one_error_shape_is_recognised_and_nothing_else():

@@ -127,7 +127,9 @@ def test_framed_chunk_is_the_event_in_chunked_framing():
     event = ('data: {"id": "cmpl-' + "0" * 32 + '-0", "object": "text_completion", "created": '
              + str(int(time.time())) + ', "model": "smollm2-135m", "choices": [{"index": 0, '
              '"text": " the", "logprobs": null, "finish_reason": null}]}\n\n')
-    assert sr.framed_chunk_bytes(" the") == len(f"{len(event):x}\r\n") + len(event) + 2
+    assert sr.framed_chunk_bytes(" the", include_usage=False) == len(f"{len(event):x}\r\n") + len(event) + 2
+    with_usage = event.replace("]}\n\n", '], "usage": null}\n\n')  # include_usage: usage null until the end
+    assert sr.framed_chunk_bytes(" the") == len(f"{len(with_usage):x}\r\n") + len(with_usage) + 2
 
 
 # -- accounting --------------------------------------------------------------------------------------

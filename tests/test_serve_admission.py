@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -26,7 +27,7 @@ def test_bounded_refuses_once_max_queue_requests_wait():
         assert control.consider(10, 10, None, now=0.0) is None
         control.admit(f"r{i}", 10, 10, None, now=0.0)
     refusal = control.consider(10, 10, None, now=0.0)
-    assert (refusal.status, refusal.code) == (429, "queue_full")
+    assert (refusal.status, refusal.code) == (503, "queue_full")
     control.token("r0")  # r0 started: one waits now
     assert control.consider(10, 10, None, now=0.0) is None
 
@@ -122,11 +123,11 @@ BODY = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_token
 
 
 @pytest.mark.slow
-def test_a_bounded_live_queue_answers_429_with_retry_after(one_at_a_time):
+def test_a_bounded_live_queue_answers_503_with_retry_after(one_at_a_time):
     server, client = one_at_a_time("bounded", max_queue=2)
     with server:
         answers = burst(server.url, 8, BODY)
-    refused = [a for a in answers if a.status_code == 429]
+    refused = [a for a in answers if a.status_code == 503]
     served = [a for a in answers if a.status_code == 200]
     assert refused and served and len(refused) + len(served) == 8
     for a in refused:
@@ -158,3 +159,81 @@ def test_drop_expired_drops_from_the_queue_with_503(one_at_a_time):
     assert dropped and any(a.status_code == 200 for a in answers)
     assert all(a.json()["error"]["code"] == "deadline_expired" for a in dropped)
     assert client.core.engine.stats().blocks_used == 0 and not client.core.engine.requests
+
+
+# -- limits by default: the queue, a request's time, a key's share -------------------------
+
+def test_the_default_is_a_bounded_queue_of_one_engine_batch():
+    settings = ServeSettings("m", engine_concurrency=12)
+    assert settings.queue_policy == "bounded" and settings.queue_limit == 12
+    assert ServeSettings("m", max_queue=3).queue_limit == 3
+    assert settings.request_timeout == 600.0
+    with pytest.raises(ValueError, match="API keys"):
+        ServeSettings("m", max_concurrent_per_key=2)
+    with pytest.raises(ValueError):
+        ServeSettings("m", request_timeout=0)
+
+
+def test_older_than_names_the_requests_past_the_limit():
+    control = AdmissionControl("bounded")
+    control.admit("old", 5, 10, None, now=100.0)
+    control.admit("new", 5, 10, None, now=104.0)
+    assert control.older_than(3.0, now=105.0) == ["old"]
+    assert control.older_than(10.0, now=105.0) == []
+
+
+LONG = {"model": "smollm2-135m", "prompt": "1, 2, 3,", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def limited(model):
+    config = EngineConfig(kv_cache_tokens=4096)
+    client = InProcessEngine(LLMEngine(model, config))
+    app = build_app(client, model.tokenizer, ServeSettings("smollm2-135m", api_keys=["key-a", "key-b"],
+                                                           request_timeout=2.0, max_concurrent_per_key=1))
+    with BackgroundServer(app) as server:
+        yield server, client
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.slow
+def test_a_request_past_the_request_timeout_is_ended_and_frees_its_blocks(limited):
+    server, client = limited
+    whole = httpx.post(server.url + "/v1/completions", json=LONG, headers=auth("key-a"), timeout=60)
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "request_timeout"
+    events = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=LONG | {"stream": True}, headers=auth("key-a"),
+                      timeout=60) as answer:
+        events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"request_timeout"' in events[-2]
+    assert len(events) > 2  # it streamed tokens before the limit
+    for _ in range(100):
+        if client.core.engine.stats().blocks_used == 0:
+            break
+        time.sleep(0.05)
+    assert client.core.engine.stats().blocks_used == 0
+
+
+@pytest.mark.slow
+def test_a_key_over_its_concurrency_limit_gets_429_and_other_keys_are_served(limited):
+    server, _ = limited
+    short = {"model": "smollm2-135m", "prompt": "1, 2, 3,", "max_tokens": 2, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=LONG | {"stream": True},
+                      headers=auth("key-a"), timeout=60) as answer:
+        lines = answer.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it runs (until the 2 s limit)
+        second = httpx.post(server.url + "/v1/completions", json=short, headers=auth("key-a"), timeout=60)
+        other = httpx.post(server.url + "/v1/completions", json=short, headers=auth("key-b"), timeout=60)
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(second.headers["retry-after"]) >= 1
+    assert other.status_code == 200
+    # its first request was closed by the client (noticed at the next token): the count goes back down
+    for _ in range(100):
+        after = httpx.post(server.url + "/v1/completions", json=short, headers=auth("key-a"), timeout=60)
+        if after.status_code != 429:
+            break
+        time.sleep(0.05)
+    assert after.status_code == 200

@@ -252,6 +252,13 @@ AWKWARD = [
      "invalid_json"),
     ("unknown route", "/v1/embeddings", GOOD, {}, 404, "unknown_route"),
     ("nested 10,000 deep", "/v1/completions", b"[" * 10_000 + b"]" * 10_000, {}, 400, "invalid_json"),
+    # an unpaired surrogate escape is JSON but not text: the tokenizer could not take it (a 500 once)
+    ("lone surrogate in a prompt", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "a\\ud800b"}', {},
+     400, "invalid_unicode"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\udc00"}]}', {}, 400, "invalid_unicode"),
+    ("1e999 as temperature", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "x", "temperature": 1e999}',
+     {}, 400, "invalid_json"),
 ]
 
 
@@ -278,13 +285,13 @@ def test_wrong_methods_get_405_with_allow(server):
 
 def test_metrics_speak_prometheus(server):
     text = server.get("/metrics").text
-    for name in ("labkit_queue_length", "labkit_running_sequences", "labkit_kv_blocks_used",
-                 "labkit_kv_blocks_free", "labkit_prefix_cache_hits_total", "labkit_preemptions_total",
-                 'labkit_requests_total{outcome="ok",route="completions"}',
-                 "labkit_time_to_first_token_seconds_bucket", "labkit_inter_token_latency_seconds_bucket",
-                 "labkit_e2e_request_latency_seconds_bucket"):
+    for name in ("labkit:num_requests_waiting", "labkit:num_requests_running", "labkit:kv_cache_usage_perc",
+                 "labkit:kv_blocks_used", "labkit:kv_blocks_free", "labkit:prefix_cache_hits_total",
+                 "labkit:num_preemptions_total", "labkit:time_to_first_token_seconds_bucket",
+                 "labkit:inter_token_latency_seconds_bucket", "labkit:e2e_request_latency_seconds_bucket"):
         assert name in text, name
-    assert server.metric('labkit_requests_total{outcome="client_error",route="completions"}') > 0
+    assert f'labkit:requests_total{{model_name="{MODEL}",outcome="ok",route="completions"}}' in text
+    assert server.metric('labkit:requests_total{outcome="client_error",route="completions"}') > 0
 
 
 # -- clients that go away, workers that die ------------------------------------------------
@@ -296,10 +303,10 @@ def test_a_client_that_disconnects_has_its_blocks_freed(server):
                       headers={"Authorization": f"Bearer {KEYS[0]}"}) as answer:
         lines = answer.iter_lines()
         assert next(lines).startswith("data: ")
-        assert server.metric("labkit_kv_blocks_used") > 0
+        assert server.metric("labkit:kv_blocks_used") > 0
     freed_after = server.wait_until(server.idle, timeout=5)
     assert freed_after < 5
-    assert server.metric('labkit_requests_total{outcome="cancelled",route="completions"}') >= 1
+    assert server.metric('labkit:requests_total{outcome="cancelled",route="completions"}') >= 1
 
 
 def test_a_non_streamed_client_that_disconnects_is_cancelled_too(server):

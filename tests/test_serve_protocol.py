@@ -28,10 +28,40 @@ def refusal(call) -> APIError:
     (b'"text"', "invalid_json"),
     (b'{"prompt": "\xff\xfe"}', "invalid_utf8"),
     (b"[" * 100_000, "invalid_json"),
+    (b'{"a": ' * 10_000 + b"1" + b"}" * 10_000, "invalid_json"),
+    (b'{"model": "m", "temperature": 1e999}', "invalid_json"),
+    (b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}", "invalid_json"),
+    (b"12", "invalid_json"),
+    (b"null", "invalid_json"),
 ])
 def test_bodies_that_are_not_a_json_object_are_refused_with_400(raw, code):
     error = refusal(lambda: parse_json_body(raw))
     assert (error.status, error.code) == (400, code)
+
+
+@pytest.mark.parametrize("raw, param", [
+    (rb'{"model": "m", "prompt": "a\ud800b"}', "prompt"),
+    (rb'{"model": "m", "prompt": ["ok", "\udfff"]}', "prompt[1]"),
+    (rb'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    (rb'{"model": "m", "stop": ["\ud83d"]}', "stop[0]"),
+    (rb'{"model": "m", "user": "\uDBFF"}', "user"),
+    (rb'{"model": "m", "metadata": {"\ud800": "v"}}', "metadata.\\ud800"),
+    (rb'{"\ud800": 1}', "\\ud800"),
+])
+def test_a_string_that_is_not_unicode_is_refused_where_it_is(raw, param):
+    error = refusal(lambda: parse_json_body(raw))
+    assert (error.status, error.code, error.param) == (400, "invalid_unicode", param)
+    error.response()  # the answer itself can be sent: no surrogate reaches its UTF-8 encoding
+
+
+@pytest.mark.parametrize("raw, value", [
+    (rb'{"prompt": "\ud83d\ude00"}', "\U0001f600"),  # a surrogate pair is one character
+    (rb'{"prompt": "a\u0000b"}', "a\x00b"),  # NUL is Unicode text
+    (rb'{"prompt": "\\ud800"}', "\\ud800"),  # an escaped backslash, then "ud800": no surrogate
+])
+def test_valid_unicode_escapes_pass(raw, value):
+    assert parse_json_body(raw)["prompt"] == value
 
 
 def test_a_json_object_is_parsed():
@@ -71,7 +101,13 @@ def test_json_content_types_pass(content_type):
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
     ({"echo": True}, "echo", "unsupported_parameter"),
+    ({"echo": 0}, "echo", "unsupported_parameter"),
+    ({"best_of": 2}, "best_of", "unsupported_parameter"),
+    ({"best_of": True}, "best_of", "unsupported_parameter"),
+    ({"suffix": "x"}, "suffix", "unsupported_parameter"),
     ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter"),
+    ({"metadata": {}}, "metadata", "unknown_parameter"),  # chat's, not in CreateCompletionRequest
     ({"temprature": 0.5}, "temprature", "unknown_parameter"),
     ({"messages": []}, "messages", "unknown_parameter"),
 ])
@@ -134,3 +170,55 @@ def test_every_error_has_the_one_shape():
     body = refusal(lambda: validate(CompletionRequest, BASE | {"n": 0})).body()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "invalid_request_error"
+
+
+NO_OP_CHAT = [{"store": False}, {"response_format": {"type": "text"}}, {"logit_bias": {}},
+              {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"service_tier": "auto"},
+              {"tool_choice": "none"},
+              {"modalities": ["text"]}, {"metadata": {}}, {"metadata": {"k" * 64: "v" * 512, "team": "a"}},
+              {"user": "user-1234"}, {"function_call": "none"}, {"reasoning_effort": "medium"},
+              {"verbosity": "medium"}, {"stream": True, "stream_options": {"include_obfuscation": False}}]
+
+
+@pytest.mark.parametrize("extra", NO_OP_CHAT, ids=lambda e: ",".join(e))
+def test_openai_fields_at_values_that_change_nothing_are_taken(extra):
+    request = validate(ChatCompletionRequest, CHAT | extra)
+    assert request.temperature is None and request.n is None
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"store": True}, "store", "unsupported_parameter"),
+    ({"store": 0}, "store", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"response_format": {"type": "text", "extra": 1}}, "response_format", "unsupported_parameter"),
+    ({"service_tier": "flex"}, "service_tier", "unsupported_parameter"),
+    ({"tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({"tools": []}, "tools", "unsupported_parameter"),
+    ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+    ({"web_search_options": {}}, "web_search_options", "unsupported_parameter"),
+    ({"moderation": {"model": "x"}}, "moderation", "unsupported_parameter"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation",
+     "unsupported_parameter"),
+    ({"metadata": {"k": 1}}, "metadata", "invalid_type"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "invalid_value"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "invalid_value"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_value"),
+    ({"metadata": ["k"]}, "metadata", "invalid_type"),
+    ({"mystery": False}, "mystery", "unknown_parameter"),
+])
+def test_other_values_of_fields_this_service_does_not_implement_are_refused(extra, param, code):
+    error = refusal(lambda: validate(ChatCompletionRequest, CHAT | extra))
+    assert (error.status, error.param, error.code) == (400, param, code), error.message
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "temperature", "stop", "echo", "user"])
+def test_nesting_as_deep_as_the_parser_goes_is_refused_not_crashed(field):
+    """A value nested just shallower than the parser's limit must not overflow the stack of
+    what reads it next (comparing it with a no-op value, quoting it in the message)."""
+    for depth in range(900, 1000):
+        raw = b'{"model": "m", "prompt": "x", "' + field.encode() + b'": ' + b"[" * depth + b"]" * depth + b"}"
+        try:
+            body = parse_json_body(raw)
+        except APIError:
+            continue  # deeper than the parser goes: invalid_json
+        assert refusal(lambda: validate(CompletionRequest, body)).status == 400

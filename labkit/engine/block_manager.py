@@ -55,6 +55,8 @@ def chain_hash(parent: bytes | None, token_ids: tuple[int, ...] | list[int], sal
 class BlockCounters:
     prefix_queries: int = 0     # full prompt blocks looked up in the prefix cache
     prefix_hits: int = 0        # ... and found
+    prefix_query_tokens: int = 0  # prompt tokens of the sequences admitted with a lookup (vLLM's queries)
+    prefix_hit_tokens: int = 0    # ... of them found in the cache (vLLM's hits)
     copies_on_write: int = 0
     evictions: int = 0          # cached blocks reused for other tokens
 
@@ -188,6 +190,8 @@ class BlockManager:
         if self.prefix_caching:
             self.counters.prefix_queries += (seq.num_tokens - 1) // self.block_size
             self.counters.prefix_hits += seq.num_cached_prompt_tokens // self.block_size
+            self.counters.prefix_query_tokens += seq.num_tokens
+            self.counters.prefix_hit_tokens += seq.num_cached_prompt_tokens
 
     def can_grow(self, seq: Sequence, tokens: int) -> bool:
         return self.blocks_needed(seq, tokens) + self._cow_needed(seq, tokens) <= self.num_free

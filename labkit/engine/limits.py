@@ -60,8 +60,7 @@ class EngineLimits:
             return Refused("context_length_exceeded",
                            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                            f"exceeds the model's context of {self.max_model_len} tokens", param)
-        step = total if self.step_tokens is None else min(total, self.step_tokens)
-        blocks = peak_blocks(self.windows, total, step, self.block_size)
+        blocks = self.blocks_for(total)
         if blocks > self.num_blocks:
             return Refused("kv_budget_exceeded",
                            f"{total} tokens need {blocks} KV blocks of {self.block_size} tokens at once, "
@@ -76,6 +75,23 @@ class EngineLimits:
                            f"stop token ids {unknown} are outside the model's vocabulary of "
                            f"{self.vocab_size}", "stop_token_ids")
         return None
+
+    def blocks_for(self, total_tokens: int) -> int:
+        """KV blocks one sequence of `total_tokens` holds at its peak."""
+        step = total_tokens if self.step_tokens is None else min(total_tokens, self.step_tokens)
+        return peak_blocks(self.windows, total_tokens, step, self.block_size)
+
+    def longest_sequence(self) -> int:
+        """The most tokens (prompt + output) one sequence can reach in this pool, up to
+        `max_model_len`: the pool's capacity for a single request (0 if not even one token)."""
+        low, high = 0, self.max_model_len  # blocks_for grows with the length: bisect it
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.blocks_for(middle) <= self.num_blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def check(self, prompt_tokens: int, max_tokens: int, *, n: int = 1,
               stop_token_ids: tuple[int, ...] = ()) -> None:

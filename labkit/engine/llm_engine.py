@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence as Seq
 
 from labkit.engine.backends import WEIGHTS, kv_dtype_for, prepare_weights
@@ -48,6 +48,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     backend: Backend | None = None     # overrides fast_kernels (labkit.engine.backends)
     transition_log: int = 10_000       # the state changes kept in `transitions` (the newest)
+    fit_context_to_pool: bool = False  # a service's choice: an unset max_model_len is capped
+                                       # to the longest sequence the KV pool holds (and said
+                                       # in `context_note`); a set one that does not fit is
+                                       # refused. False: requests are refused one by one.
 
     @property
     def num_blocks(self) -> int:
@@ -121,6 +125,8 @@ class EngineStats:
     evictions: int
     steps: int
     tokens_computed: int
+    prefix_query_tokens: int = 0   # tokens of the sequences looked up in the prefix cache
+    prefix_hit_tokens: int = 0     # ... found there (hit rate: hits / queries, as vLLM counts)
 
 
 @dataclass
@@ -163,6 +169,7 @@ class LLMEngine:
         step_tokens = c.scheduler.max_batched_tokens if c.scheduler.chunked_prefill else None
         self.limits = EngineLimits(self.max_model_len, c.block_size, num_blocks, model.config.vocab_size,
                                    c.scheduler.max_num_seqs, self.groups.windows, step_tokens)
+        self.context_note = self._fit_context_to_pool() if c.fit_context_to_pool else None
         self.pool = self.backend.new_pool(model.config, num_blocks, c.block_size, kv_dtype, model.device)
         self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
@@ -357,12 +364,32 @@ class LLMEngine:
             if request_id in self.requests:
                 self.release(request_id)
 
+    def _fit_context_to_pool(self) -> str | None:
+        """Cap the context to what the pool holds for one sequence; None if it already fits."""
+        c, fits = self.config, self.limits.longest_sequence()
+        if fits >= self.max_model_len:
+            return None
+        if c.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} does not fit the KV pool: one sequence of that length "
+                f"needs {self.limits.blocks_for(self.max_model_len)} blocks of {c.block_size} tokens and the "
+                f"pool ({c.kv_cache_tokens} token slots) has {c.num_blocks}; it holds at most {fits} tokens. "
+                "Raise kv_cache_tokens or lower max_model_len")
+        if fits < 1:
+            raise ValueError(f"the KV pool ({c.kv_cache_tokens} token slots) cannot hold one sequence")
+        note = (f"context capped to {fits} tokens by the KV pool of {c.kv_cache_tokens} token slots (the "
+                f"model's is {self.max_model_len}); raise kv_cache_tokens (serve: --kv-cache-tokens) for more")
+        self.max_model_len = fits
+        self.limits = replace(self.limits, max_model_len=fits)
+        return note
+
     def stats(self) -> EngineStats:
         b = self.blocks
         return EngineStats(b.num_blocks, b.num_used, b.num_free, len(self.scheduler.waiting),
                            len(self.scheduler.running), b.counters.prefix_queries, b.counters.prefix_hits,
                            self.scheduler.preemptions, b.counters.copies_on_write, b.counters.evictions,
-                           self.steps, self.tokens_computed)
+                           self.steps, self.tokens_computed, b.counters.prefix_query_tokens,
+                           b.counters.prefix_hit_tokens)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any KV block is leaked or mis-counted."""

@@ -78,6 +78,15 @@ def stop_string_cut(text: str, stops: Sequence[str], search_from: int) -> int | 
     return min(hits) if hits else None
 
 
+def with_bos(ids: Sequence[int], tokenizer) -> list[int]:
+    """A text prompt's ids with the BOS token in front where the tokenizer says the model
+    expects one (`add_bos_token`: Gemma 3; SmolLM2 does not) and it is not there yet."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and list(ids[:1]) != [bos]:
+        return [bos, *ids]
+    return list(ids)
+
+
 def encode_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int | None, *,
                   chat: bool = False) -> list[int]:
     """The prompt's token ids: a text prompt starts with the BOS token where the tokenizer
@@ -89,9 +98,8 @@ def encode_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int | None
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if not chat and getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
-            ids = [bos, *ids]
+        if not chat:
+            ids = with_bos(ids, tokenizer)
     else:
         if chat:
             raise ValueError("chat=True needs a text prompt")

@@ -76,15 +76,16 @@ class LiveService:
 # -- the service's view of itself ------------------------------------------------------------
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {series: value}; a series is its name with its labels as printed
-    (``labkit_requests_total{outcome="ok",route="chat"}``). Comments are skipped."""
+    """Prometheus text -> {series: value}, read with prometheus_client's own parser; a series
+    is its sample's name with its labels sorted as Prometheus prints them, less `model_name`
+    (one server serves one model): ``labkit:requests_total{outcome="ok",route="chat"}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        out[series] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
 
 
@@ -108,8 +109,8 @@ def ready(url: str) -> bool:
 def idle(m: dict[str, float]) -> bool:
     """Nothing runs, nothing waits, no KV block is held (False while the gauges are absent:
     a fresh worker has not sent its first snapshot yet)."""
-    return all(m.get(name) == 0 for name in ("labkit_running_sequences", "labkit_queue_length",
-                                               "labkit_kv_blocks_used"))
+    return all(m.get(name) == 0 for name in ("labkit:num_requests_running", "labkit:num_requests_waiting",
+                                               "labkit:kv_blocks_used"))
 
 
 def wait_until(condition, timeout: float = 60.0, interval: float = 0.02) -> float:
@@ -234,6 +235,7 @@ class Outcome:
     expected: str | None = None     # its solo run's text, where it has one
     shape_ok: bool | None = None    # an error body in exactly OpenAI's shape
     attempts: int = 1
+    done: bool = False              # a stream's [DONE] arrived (after an error event, too)
     parts: list[str] = field(default_factory=list)       # the text of each attempt
     chunk_s: list[float] = field(default_factory=list, repr=False)  # chunk arrivals, from send
     sent_at: float | None = None    # perf_counter
@@ -287,7 +289,7 @@ async def stream(client: httpx.AsyncClient, url: str, request: dict, out: Outcom
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
-                    finished = True
+                    finished = out.done = True
                     break
                 payload = json.loads(line[6:])
                 if "error" in payload:

@@ -27,8 +27,8 @@ from labkit.experiments import fault_client as fc
 from labkit.experiments.fault_client import Outcome, body, first_difference, should_retry
 from labkit.experiments.faults import Scenario, await_idle, async_client, until_free, bad_requests, solo_texts
 
-CANCELLED = 'labkit_requests_total{outcome="cancelled",route="completions"}'
-DROPPED = 'labkit_requests_total{outcome="dropped",route="completions"}'
+CANCELLED = 'labkit:requests_total{outcome="cancelled",route="completions"}'
+DROPPED = 'labkit:requests_total{outcome="dropped",route="completions"}'
 
 
 def backoff_s(attempt: int, base: float = 0.25, cap: float = 4.0) -> float:
@@ -65,10 +65,10 @@ def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: i
         if impatient.code == "ReadTimeout":
             impatient.ended = "left"
         found["release_after_timeout_s"], _ = await until_free(poller, url, impatient.ended_at)
-        first = (await poller.metrics())["labkit_engine_steps_total"]
+        first = (await poller.metrics())["labkit:engine_steps_total"]
         await asyncio.sleep(quiet_s)
         m = await poller.metrics()
-        found["steps_while_quiet"] = m["labkit_engine_steps_total"] - first
+        found["steps_while_quiet"] = m["labkit:engine_steps_total"] - first
         found["cancelled_counted"] = m[CANCELLED] - found["cancelled_before"]
 
     async def server_side(poller) -> None:
@@ -83,10 +83,10 @@ def timeouts(url: str, prompts, *, client_timeout_s: float = 1.0, long_tokens: i
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
             late = asyncio.create_task(fc.whole(client, url, body(prompts[0], waiting_tokens), patient))
             await fc.whole(client, url, body(prompts[0], waiting_tokens, deadline_ms=deadline_ms), waiting)
-            found["queue_at_drop"] = (await poller.metrics()).get("labkit_queue_length")
+            found["queue_at_drop"] = (await poller.metrics()).get("labkit:num_requests_waiting")
 
             async def shrank():
-                return (await poller.metrics()).get("labkit_queue_length") == 1
+                return (await poller.metrics()).get("labkit:num_requests_waiting") == 1
             found["queue_shrank_after_s"] = await fc.await_until(shrank, timeout=10)
             found["fillers_running_at_drop"] = sum(not t.done() for t in run)
             leave.set()   # the fillers leave at their next chunk: the patient request runs next
@@ -244,7 +244,7 @@ def cancel_during_restart(url: str, prompts, queued_prompt, queued_tokens: int, 
             waiting = asyncio.create_task(fc.whole(client, url, body(queued_prompt, queued_tokens), queued))
 
             async def in_queue():
-                return (await poller.metrics()).get("labkit_queue_length", 0) >= 1
+                return (await poller.metrics()).get("labkit:num_requests_waiting", 0) >= 1
             await fc.await_until(in_queue, timeout=30)
             marks["pid"], marks["kill"] = fc.kill_worker(url)
 
@@ -267,7 +267,7 @@ def cancel_during_restart(url: str, prompts, queued_prompt, queued_tokens: int, 
             while True:
                 m, (_, state) = await poller.metrics(), await poller.health()
                 if fc.idle(m) and state["open_requests"] == 0:
-                    marks["idle"], marks["steps"] = time.perf_counter(), m.get("labkit_engine_steps_total")
+                    marks["idle"], marks["steps"] = time.perf_counter(), m.get("labkit:engine_steps_total")
                     break
                 await asyncio.sleep(0.01)
 

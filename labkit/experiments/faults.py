@@ -18,7 +18,8 @@ and a fresh greedy request gives the expected text.
   many trials, streamed and whole, against one engine step (:func:`engine_step_seconds`).
 
 The scenarios about timeouts, retries, a cancel during a restart and a random mix of
-everything are in :mod:`labkit.experiments.fault_policies`; the client side (the live
+everything are in :mod:`labkit.experiments.fault_policies`; a hung worker, a crash loop and a
+SIGTERM drain in :mod:`labkit.experiments.supervision_faults`; the client side (the live
 service, metrics, one request as its client saw it, the retry rules) in
 :mod:`labkit.experiments.fault_client`.
 """
@@ -134,8 +135,8 @@ def after_scenario(url: str, probe: Probe, *, timeout: float = 120.0) -> dict:
     answer = httpx.post(url + "/v1/completions", json=body(probe.prompt, probe.max_tokens), timeout=120)
     text = answer.json()["choices"][0]["text"] if answer.status_code == 200 else None
     out = {"idle_within_timeout": waited, "waited_s": idle_s,
-           "kv_blocks_used": m.get("labkit_kv_blocks_used"), "running": m.get("labkit_running_sequences"),
-           "queue": m.get("labkit_queue_length"), "open_requests": state.get("open_requests"),
+           "kv_blocks_used": m.get("labkit:kv_blocks_used"), "running": m.get("labkit:num_requests_running"),
+           "queue": m.get("labkit:num_requests_waiting"), "open_requests": state.get("open_requests"),
            "health_status": status, "fresh_status": answer.status_code, "fresh_text": text,
            "fresh_correct": text == probe.expected}
     out["ok"] = (waited and out["kv_blocks_used"] == 0 and out["running"] == 0 and out["queue"] == 0
@@ -163,9 +164,9 @@ async def _sample_state(poller, url, trace: list, stop: asyncio.Event, every: fl
     start = time.perf_counter()
     while not stop.is_set():
         m = await poller.metrics()
-        trace.append({"t_s": time.perf_counter() - start, "kv_blocks_used": m.get("labkit_kv_blocks_used"),
-                      "running": m.get("labkit_running_sequences"), "waiting": m.get("labkit_queue_length"),
-                      "preemptions": m.get("labkit_preemptions_total")})
+        trace.append({"t_s": time.perf_counter() - start, "kv_blocks_used": m.get("labkit:kv_blocks_used"),
+                      "running": m.get("labkit:num_requests_running"), "waiting": m.get("labkit:num_requests_waiting"),
+                      "preemptions": m.get("labkit:num_preemptions_total")})
         await asyncio.sleep(every)
 
 
@@ -215,7 +216,7 @@ def kv_exhaustion(url: str, prompts, max_tokens: int, *, block_size: int = DEFAU
     pool is smaller than their sum; compare each answer with its solo run."""
     solo = solo_texts(url, prompts, max_tokens)
     before, restarts = fc.metrics(url), fc.health(url)[1]["restarts"]
-    pool = before["labkit_kv_blocks_used"] + before["labkit_kv_blocks_free"]
+    pool = before["labkit:kv_blocks_used"] + before["labkit:kv_blocks_free"]
     demand = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts)
     outcomes = [Outcome(f"long-{i}", "stream", expected=solo[i]) for i in range(len(prompts))]
     trace: list[dict] = []
@@ -235,7 +236,7 @@ def kv_exhaustion(url: str, prompts, max_tokens: int, *, block_size: int = DEFAU
     wall = fc.run_async(go)
     after = fc.metrics(url)
     same_worker = fc.health(url)[1]["restarts"] == restarts
-    preempted = after["labkit_preemptions_total"] - before["labkit_preemptions_total"]
+    preempted = after["labkit:num_preemptions_total"] - before["labkit:num_preemptions_total"]
     peak = max((row["kv_blocks_used"] or 0) for row in trace) if trace else None
     return Scenario(
         "kv_exhaustion", f"{len(prompts)} greedy streams of {max_tokens} tokens at once into a "
@@ -292,7 +293,7 @@ def worker_kill(url: str, prompts, max_tokens: int, queued_prompt, queued_tokens
             waiting = asyncio.create_task(fc.whole(client, url, body(queued_prompt, queued_tokens), queued))
 
             async def in_queue():
-                return (await poller.metrics()).get("labkit_queue_length", 0) >= 1
+                return (await poller.metrics()).get("labkit:num_requests_waiting", 0) >= 1
             await fc.await_until(in_queue, timeout=30)
             marks["pid"], marks["kill"] = fc.kill_worker(url)
             await asyncio.gather(*tasks)
@@ -315,7 +316,7 @@ def worker_kill(url: str, prompts, max_tokens: int, queued_prompt, queued_tokens
         streams + [queued],
         {"restart_s": restart_s, "stream_error_after_kill_s": errors_after},
         {"restarts_before": restarts0, "restarts_after": state["restarts"], "old_pid": pid0,
-         "new_pid": state["worker_pid"], "restarts_metric": fc.metrics(url).get("labkit_engine_restarts_total")},
+         "new_pid": state["worker_pid"], "restarts_metric": fc.metrics(url).get("labkit:engine_restarts_total")},
         {"every stream with tokens ended with an error": all(o.ended == "error" and o.chunks >= kill_after
                                                              for o in streams),
          "the official client raised it": all(o.code == "engine_died" for o in streams),
@@ -414,21 +415,21 @@ def server_timing(header: str) -> dict[str, float]:
 def engine_step_seconds(url: str, prompt, tokens: int = 48, repeats: int = 3) -> dict:
     """One decode step of a lone greedy request, on the engine's own clock: the `decode`
     stage of the answer's `Server-Timing` header over its `tokens - 1` decode steps (no
-    network in it). Cross-checked with `labkit_engine_steps_total`: a prompt that fits one
+    network in it). Cross-checked with `labkit:engine_steps_total`: a prompt that fits one
     step takes `tokens` steps (one prefill, then one per further token)."""
     per_step, steps = [], []
     for _ in range(repeats):
-        before = fc.metrics(url)["labkit_engine_steps_total"]
+        before = fc.metrics(url)["labkit:engine_steps_total"]
         answer = httpx.post(url + "/v1/completions", json=body(prompt, tokens), timeout=300)
         answer.raise_for_status()
         per_step.append(server_timing(answer.headers["server-timing"])["decode"] / 1e3 / (tokens - 1))
-        steps.append(fc.metrics(url)["labkit_engine_steps_total"] - before)
+        steps.append(fc.metrics(url)["labkit:engine_steps_total"] - before)
     return {"step_s": statistics.median(per_step), "per_request_s": per_step,
             "engine_steps_per_request": steps, "tokens": tokens}
 
 
 async def blocks_used(poller, url) -> float | None:
-    return (await poller.metrics()).get("labkit_kv_blocks_used")
+    return (await poller.metrics()).get("labkit:kv_blocks_used")
 
 
 async def until_free(poller, url, since: float, timeout: float = 30.0) -> tuple[float, float]:
@@ -464,7 +465,7 @@ def disconnects(url: str, prompt, *, trials: int, max_tokens: int = 400, leave_a
     lower: dict[str, list[float]] = {m: [] for m in modes}
     held: dict[str, list[float]] = {m: [] for m in modes}
     outcomes: list[Outcome] = []
-    cancelled = 'labkit_requests_total{outcome="cancelled",route="completions"}'
+    cancelled = 'labkit:requests_total{outcome="cancelled",route="completions"}'
     before = fc.metrics(url)[cancelled]
 
     async def one(client, poller, mode: str, k: int) -> None:

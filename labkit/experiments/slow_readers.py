@@ -260,13 +260,15 @@ def stream_length_for(absorbed_bytes: int, chunk_bytes: int, max_buffered: int, 
     return -(-tokens // 16) * 16
 
 
-def framed_chunk_bytes(text: str = " the", model: str = MODEL) -> int:
+def framed_chunk_bytes(text: str = " the", model: str = MODEL, include_usage: bool = True) -> int:
     """Bytes on the wire of one streamed completions chunk carrying `text`: the SSE event
-    as the service writes it, in HTTP/1.1 chunked framing."""
+    as the service writes it, in HTTP/1.1 chunked framing. With `include_usage` (as
+    `streaming.completion_body` asks) every chunk but the last carries `"usage": null`."""
     from labkit.serve.responses import completion_chunk
 
     rid = "cmpl-" + "0" * 32 + "-0"
-    event = f"data: {json.dumps(completion_chunk(rid, int(time.time()), model, 0, text, None))}\n\n"
+    chunk = completion_chunk(rid, int(time.time()), model, 0, text, None) | ({"usage": None} if include_usage else {})
+    event = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
     size = len(event.encode())
     return len(f"{size:x}\r\n") + size + 2
 

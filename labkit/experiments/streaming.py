@@ -383,14 +383,13 @@ def transport_high_water() -> tuple[int, int]:
 # -- a client that leaves ---------------------------------------------------------------------------
 
 def read_metrics(client: httpx.Client, url: str) -> dict[str, float]:
-    """The unlabelled samples of `GET /metrics` (name -> value). Pass a client that sends
-    `Connection: close` (:func:`poll_client`) to time with it: see :func:`poll_seconds`."""
-    out = {}
-    for line in client.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    """The samples of `GET /metrics` labelled with nothing but `model_name` (name -> value).
+    Pass a client that sends `Connection: close` (:func:`poll_client`) to time with it: see
+    :func:`poll_seconds`."""
+    from labkit.experiments.fault_client import parse_metrics
+
+    return {name: value for name, value in parse_metrics(client.get(url + "/metrics").text).items()
+            if "{" not in name}
 
 
 def poll_client(keep_alive: bool = False) -> httpx.Client:
@@ -519,9 +518,9 @@ def disconnect_trials(url: str, prompt, next_prompt, *, max_tokens: int, after_c
                     previous, sent = sent, time.perf_counter()
                     now = read_metrics(metrics, url)
                     polls += 1
-                    if now["labkit_running_sequences"] == 0 and now["labkit_kv_blocks_used"] == 0:
+                    if now["labkit:num_requests_running"] == 0 and now["labkit:kv_blocks_used"] == 0:
                         freed, freed_after = time.perf_counter() - left, previous - left
-                        steps = int(now["labkit_engine_steps_total"] - before["labkit_engine_steps_total"])
+                        steps = int(now["labkit:engine_steps_total"] - before["labkit:engine_steps_total"])
                         break
                     time.sleep(poll_s)
             stream = _leave_after(url, body, after_chunks)

@@ -1,7 +1,8 @@
 """Admission control: which requests the service takes, and which it turns away at once.
 
     --queue-policy unbounded          take everything (the foil: every request waits its turn)
-                   bounded            refuse (429) when --max-queue requests already wait
+                   bounded            refuse (503) when --max-queue requests already wait (the
+                                      default; --max-queue defaults to --max-num-seqs)
                    drop-expired       bounded, and drop a waiting request (503) once it can no
                                       longer finish by its deadline
                    admit-by-estimate  refuse at arrival (503) a request that the service's own
@@ -66,7 +67,7 @@ class Admitted:
 
 @dataclass
 class Refusal:
-    status: int                    # 429 or 503
+    status: int                    # 503
     code: str
     message: str
     retry_after: float
@@ -109,7 +110,8 @@ class AdmissionControl:
         now = time.perf_counter() if now is None else now
         drain = self.work_ahead_s()
         if self.policy in ("bounded", "drop-expired") and self.waiting >= self.max_queue:
-            return Refusal(429, "queue_full", f"{self.waiting} requests already wait (limit {self.max_queue})",
+            # 503, not 429: the server is full, whoever asks (429 is for a key's own limit)
+            return Refusal(503, "queue_full", f"{self.waiting} requests already wait (limit {self.max_queue})",
                            drain)
         if self.policy == "admit-by-estimate" and deadline is not None:
             finish = now + drain + self.estimator.service_s(prompt_tokens, max_tokens)
@@ -134,6 +136,11 @@ class AdmissionControl:
         self.open.pop(request_id, None)
         if output is not None:
             self.estimator.observe(output)
+
+    def older_than(self, seconds: float, now: float | None = None) -> list[str]:
+        """Open requests that arrived more than `seconds` ago (--request-timeout)."""
+        now = time.perf_counter() if now is None else now
+        return [rid for rid, a in self.open.items() if now - a.arrival > seconds]
 
     def expired(self, now: float | None = None) -> list[str]:
         """Waiting requests that can no longer finish by their deadlines (drop-expired only)."""

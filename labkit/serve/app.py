@@ -17,21 +17,23 @@ import hashlib
 import hmac
 import time
 import uuid
+from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from labkit.engine.output import encode_prompt
 from labkit.sampling import SamplingParams
-from labkit.serve import responses
+from labkit.serve import prompt_ids, responses
+from labkit.serve.access import install_request_ids
 from labkit.serve.admission import QUEUE_POLICIES, AdmissionControl
 from labkit.serve.calls import Call
 from labkit.serve.engine_client import (SLOW_READER_POLICIES, EngineClient, EngineFailure, EngineRequest,
                                         EngineUnavailable, ResultStream)
 from labkit.serve.errors import APIError, install_error_handlers, invalid
 from labkit.serve.metrics import ServiceMetrics
+from labkit.serve.openapi_schema import install_openapi
 from labkit.serve.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                    check_content_type, parse_json_body, validate)
 
@@ -46,16 +48,33 @@ class ServeSettings:
     max_buffered_events: int = 1024                     # per stream, before the slow-reader policy
     slow_reader: str = "abort"
     retry_after_seconds: float = 1.0
-    queue_policy: str = "unbounded"
-    max_queue: int = 8
+    queue_policy: str = "bounded"                       # backpressure by default (chapter 26)
+    max_queue: int | None = None                        # waiting requests; None: engine_concurrency
     default_deadline_ms: float | None = None
+    request_timeout: float | None = 600.0               # s from arrival to the end; None: no limit
+    max_concurrent_per_key: int | None = None           # open requests per API key; None: no limit
+    sse_keepalive_seconds: float | None = 15.0          # a silent stream gets an SSE comment; None: never
     engine_concurrency: int = 64                        # the engine's max_num_seqs
+    drain_timeout: float = 25.0                         # s that running requests get after SIGTERM
+    log_prompts: bool = False                           # prompt and output text in the access log
 
     def __post_init__(self) -> None:
         if self.slow_reader not in SLOW_READER_POLICIES:
             raise ValueError(f"slow_reader must be one of {SLOW_READER_POLICIES}")
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError("request_timeout must be positive (None: no limit)")
+        if self.max_concurrent_per_key is not None:
+            if self.max_concurrent_per_key < 1:
+                raise ValueError("max_concurrent_per_key must be at least 1")
+            if not self.api_keys:
+                raise ValueError("a limit per API key needs API keys (--api-key-file)")
+
+    @property
+    def queue_limit(self) -> int:
+        """Requests that may wait: one full batch of the engine's by default."""
+        return self.engine_concurrency if self.max_queue is None else self.max_queue
 
 
 def tenant_of(api_key: str | None) -> str | None:
@@ -70,38 +89,75 @@ def cache_scope(tenant: str | None, cache_salt: str | None) -> str | None:
 
 
 def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastAPI:
-    metrics = ServiceMetrics(client)
+    metrics = ServiceMetrics(client, settings.model_name)
     token_text = responses.TokenText(tokenizer)
-    admission = AdmissionControl(settings.queue_policy, settings.max_queue, settings.engine_concurrency,
+    admission = AdmissionControl(settings.queue_policy, settings.queue_limit, settings.engine_concurrency,
                                  None if settings.default_deadline_ms is None else settings.default_deadline_ms / 1e3)
     open_streams: dict[str, ResultStream] = {}
+    open_per_key: Counter[str] = Counter()              # tenant -> open engine requests
+    key_of_stream: dict[str, str] = {}
+    draining = asyncio.Event()
 
-    async def drop_expired() -> None:
+    async def drain() -> None:
+        """Stop taking requests, give the running ones `drain_timeout` seconds to finish, then
+        end the rest with an error event (streams also get [DONE]). The caller then stops
+        the server (labkit.serve.server)."""
+        draining.set()
+        deadline = time.monotonic() + settings.drain_timeout
+        while open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for stream in list(open_streams.values()):
+            stream.abort()
+            stream.put(EngineFailure(f"the server is shutting down and the request did not finish within "
+                                     f"the drain timeout of {settings.drain_timeout:g} s", code="shutting_down"))
+        flushed = time.monotonic() + 5.0  # the handlers write their error and close
+        while open_streams and time.monotonic() < flushed:
+            await asyncio.sleep(0.05)
+
+    def refuse_while_draining() -> None:
+        if draining.is_set():
+            raise APIError(503, "the server is shutting down: it finishes the requests it has and takes no "
+                                "new ones; retry on another replica", "server_draining",
+                           retry_after=settings.retry_after_seconds)
+
+    def end(request_id: str, failure: EngineFailure) -> None:
+        stream = open_streams.get(request_id)
+        admission.done(request_id)
+        if stream is not None:
+            stream.abort()
+            stream.put(failure)
+
+    async def sweep() -> None:
+        """Every 20 ms: drop what can no longer meet its deadline (drop-expired), and end what
+        has run past --request-timeout."""
         while True:
             await asyncio.sleep(0.02)
             for request_id in admission.expired():
-                stream = open_streams.get(request_id)
-                admission.done(request_id)
-                if stream is not None:
-                    stream.abort()
-                    stream.put(EngineFailure("the request could no longer finish by its deadline; it was "
-                                             "dropped from the queue", code="deadline_expired"))
+                end(request_id, EngineFailure("the request could no longer finish by its deadline; it was "
+                                              "dropped from the queue", code="deadline_expired"))
+            if settings.request_timeout is not None:
+                for request_id in admission.older_than(settings.request_timeout):
+                    end(request_id, EngineFailure(f"the request ran longer than this server's limit of "
+                                                  f"{settings.request_timeout:g} s (--request-timeout)",
+                                                  code="request_timeout"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await client.start()
-        sweeper = asyncio.create_task(drop_expired()) if settings.queue_policy == "drop-expired" else None
+        sweeper = asyncio.create_task(sweep(), name="labkit-sweep")
         try:
             yield
         finally:
-            if sweeper is not None:
-                sweeper.cancel()
+            sweeper.cancel()
             await client.stop()
 
     app = FastAPI(title="labkit", lifespan=lifespan)
     app.state.client, app.state.metrics, app.state.settings = client, metrics, settings
     app.state.admission = admission
+    app.state.drain = drain
     install_error_handlers(app)
+    install_request_ids(app, settings.log_prompts)
+    install_openapi(app)
 
     def authenticate(request: Request) -> str | None:
         if not settings.api_keys:
@@ -171,13 +227,18 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             given = from_header
         return admission.deadline_of(arrival, None if given is None else given / 1e3)
 
-    def admit(encoded: list[list[int]], max_tokens: int, until: float | None) -> None:
+    def admit(encoded: list[list[int]], max_tokens: int, until: float | None, tenant: str | None) -> None:
+        limit = settings.max_concurrent_per_key
+        if limit is not None and open_per_key[tenant] + len(encoded) > limit:
+            raise APIError(429, f"this API key has {open_per_key[tenant]} requests open; its limit is {limit} "
+                                "(--max-concurrent-per-key)", "rate_limit_exceeded",
+                           retry_after=settings.retry_after_seconds)
         refusal = admission.consider(sum(len(ids) for ids in encoded), max_tokens, until)
         if refusal is not None:
             raise APIError(refusal.status, refusal.message, refusal.code, retry_after=max(1.0, refusal.retry_after))
 
     def submit(request_id: str, ids: list[int], params: SamplingParams, n: int, salt: str | None,
-               until: float | None) -> ResultStream:
+               until: float | None, tenant: str | None) -> ResultStream:
         try:
             stream = client.submit(EngineRequest(request_id, ids, params, n, salt),
                                    max_buffered=settings.max_buffered_events, policy=settings.slow_reader)
@@ -185,24 +246,30 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             raise APIError(503, str(error), "engine_unavailable", retry_after=settings.retry_after_seconds) from None
         admission.admit(request_id, len(ids), params.max_tokens, until)
         open_streams[request_id] = stream
+        if tenant is not None:
+            open_per_key[tenant] += 1
+            key_of_stream[request_id] = tenant
         return stream
 
     def closed(stream: ResultStream) -> None:
         if open_streams.pop(stream.request_id, None) is not None:
             admission.done(stream.request_id, stream.output)
+        tenant = key_of_stream.pop(stream.request_id, None)
+        if tenant is not None:
+            open_per_key[tenant] -= 1
+            if not open_per_key[tenant]:
+                del open_per_key[tenant]
 
-    def encode(prompt, param: str) -> list[int]:
-        try:
-            return encode_prompt(prompt, tokenizer, client.limits.vocab_size if client.limits else None)
-        except ValueError as error:
-            raise invalid(str(error), param) from None
+    def vocab_size() -> int | None:
+        return client.limits.vocab_size if client.limits else None
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
         state = client.health()
-        return JSONResponse({"status": "ok" if client.ready else "starting", **state},
-                            status_code=200 if client.ready else 503)
+        status = ("draining" if draining.is_set() else "ok" if client.ready else
+                  "failed" if state.get("state") == "failed" else "starting")
+        return JSONResponse({"status": status, **state}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics_route():
@@ -229,6 +296,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         arrival = time.perf_counter()
         marks = {"arrival": arrival}
         try:
+            refuse_while_draining()
             key = authenticate(request)
             body = await read_body(request)
             marks["read"] = time.perf_counter()
@@ -238,25 +306,30 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             prompts = fields.prompt
             if isinstance(prompts, str) or isinstance(prompts[0], int):
                 prompts = [prompts]
-            encoded = [encode(p, "prompt") for p in prompts]
+            try:
+                encoded = await prompt_ids.completion_ids(prompts, tokenizer, vocab_size())
+            except ValueError as error:
+                raise invalid(str(error), "prompt") from None
             marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
             for ids in encoded:
                 check_size(ids, max_tokens, "prompt", fields.n or 1, ())
             params = sampling(fields, max_tokens, fields.logprobs)
             until = deadline(request, fields, arrival)
-            admit(encoded, max_tokens, until)
+            tenant = tenant_of(key)
+            admit(encoded, max_tokens, until, tenant)
             response_id = f"cmpl-{uuid.uuid4().hex}"
-            salt = cache_scope(tenant_of(key), fields.cache_salt)
+            salt = cache_scope(tenant, fields.cache_salt)
             n = fields.n or 1
-            streams = [submit(f"{response_id}-{p}", ids, params, n, salt, until) for p, ids in enumerate(encoded)]
+            streams = [submit(f"{response_id}-{p}", ids, params, n, salt, until, tenant)
+                       for p, ids in enumerate(encoded)]
             marks["submitted"] = time.perf_counter()
         except APIError as error:
             metrics.count("completions", "refused" if error.status in (429, 503) else "client_error")
             raise
         call = Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
                      fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks,
-                     admission.token, closed)
+                     admission.token, closed, keepalive_s=settings.sse_keepalive_seconds)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=False, include_usage=usage)
@@ -267,6 +340,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         arrival = time.perf_counter()
         marks = {"arrival": arrival}
         try:
+            refuse_while_draining()
             key = authenticate(request)
             body = await read_body(request)
             marks["read"] = time.perf_counter()
@@ -276,30 +350,33 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                         for m in fields.messages]
             try:
-                ids = tokenizer.encode_chat(messages)
+                ids = await prompt_ids.chat_ids(messages, tokenizer, vocab_size())
             except ValueError as error:
                 raise invalid(str(error), "messages") from None
-            ids = encode(ids, "messages")
             marks["tokenized"] = time.perf_counter()
             limit = fields.max_completion_tokens or fields.max_tokens
+            if client.limits is None:  # the rest of the context is not known yet
+                raise APIError(503, "the engine is starting", "engine_unavailable",
+                               retry_after=settings.retry_after_seconds)
             max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
             check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages",
                        fields.n or 1, ())
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
             params = sampling(fields, max_tokens, logprobs)
             until = deadline(request, fields, arrival)
-            admit([ids], max_tokens, until)
+            tenant = tenant_of(key)
+            admit([ids], max_tokens, until, tenant)
             response_id = f"chatcmpl-{uuid.uuid4().hex}"
-            salt = cache_scope(tenant_of(key), fields.cache_salt)
+            salt = cache_scope(tenant, fields.cache_salt)
             n = fields.n or 1
-            streams = [submit(response_id, ids, params, n, salt, until)]
+            streams = [submit(response_id, ids, params, n, salt, until, tenant)]
             marks["submitted"] = time.perf_counter()
         except APIError as error:
             metrics.count("chat", "refused" if error.status in (429, 503) else "client_error")
             raise
         call = Call("chat", response_id, int(time.time()), settings.model_name, streams, n,
                      logprobs is not None, arrival, metrics, token_text, fields.user, marks,
-                     admission.token, closed)
+                     admission.token, closed, fields.metadata, keepalive_s=settings.sse_keepalive_seconds)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)

@@ -17,9 +17,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from labkit.serve import responses
+from labkit.serve.access import RequestRecord, record_of
 from labkit.serve.engine_client import EngineFailure, ResultStream
 from labkit.serve.errors import APIError, invalid
-from labkit.serve.metrics import ServiceMetrics
+from labkit.serve.metrics import FinishedRequest, ServiceMetrics
 
 log = logging.getLogger("labkit.serve")
 
@@ -35,6 +36,22 @@ def outcome_of(error: BaseException) -> str:
     if getattr(error, "code", None) == "deadline_expired":
         return "dropped"
     return "client_error" if failure_error(error).status < 500 else "failed"
+
+
+STOPPED_ON_PURPOSE = ("deadline_expired", "request_timeout", "shutting_down")
+
+
+def cut_reason(error: BaseException | None) -> str | None:
+    """The finish reason (`labkit:request_success_total`) of the samples a request had not
+    finished when it ended: None for a request the engine refused (nothing ran); "abort" when
+    it was stopped on purpose (the client went away or read too slowly, its deadline or the
+    request timeout passed, the shutdown's drain ended it); "error" when the engine failed it
+    (a worker that died, a step that raised)."""
+    if isinstance(error, ValueError):
+        return None
+    if error is None or getattr(error, "client_error", False) or getattr(error, "code", None) in STOPPED_ON_PURPOSE:
+        return "abort"
+    return "error"
 
 
 def failure_error(error: BaseException) -> APIError:
@@ -63,6 +80,22 @@ class Call:
     marks: dict[str, float] = field(default_factory=dict)  # perf_counter times (the engine's clock too)
     on_token: object = None        # admission control: a request started / ended
     on_closed: object = None
+    metadata: dict[str, str] | None = None  # chat's `metadata`: informational, like `user`
+    record: RequestRecord | None = None     # its access-log line (labkit.serve.access)
+    keepalive_s: float | None = 15.0        # a stream silent this long gets an SSE comment
+    _first: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its first token's arrival
+    _last: dict[int, float] = field(default_factory=dict, init=False)    # choice -> its newest token's arrival
+    _ended: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its output's arrival
+    _reasons: dict[int, str] = field(default_factory=dict, init=False)   # choice -> finish reason, as events said
+    _finished: bool = field(default=False, init=False)
+
+    def attach(self, request: Request) -> None:
+        """Take the request's id and access-log record (labkit.serve.access)."""
+        self.record = record_of(request)
+        if self.record is not None:
+            self.record.call_open = True
+            for stream in self.streams:
+                stream.client_request_id = self.record.request_id
 
     def server_timing(self) -> str:
         """The request's stages as a Server-Timing header (ms). Engine times come from its own
@@ -82,13 +115,54 @@ class Call:
         stages.append(("serialize", m["collected"], m["serialized"]))
         return ", ".join(f"{name};dur={max(0.0, end - begin) * 1e3:.3f}" for name, begin, end in stages)
 
-    def finish(self, outcome: str) -> None:
+    def finish(self, outcome: str, error: BaseException | None = None) -> None:
+        """Count the request once (labkit.serve.metrics): its outcome; per prompt, its prompt
+        tokens once computed (once whatever n) and the tokens that reached the front end;
+        per choice, its finish reason; per prompt whose output arrived, its histograms."""
+        if self._finished:
+            return
+        self._finished = True
         self.metrics.count(self.route, outcome)
-        if outcome == "ok":
-            self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-        log.info("%s %s outcome=%s user=%s prompt_tokens=%s seconds=%.3f", self.route, self.response_id, outcome,
-                 self.user, [len(s.request.prompt_token_ids) for s in self.streams],
+        cut = cut_reason(error) if outcome != "ok" else None
+        reasons, generated_total = [], 0
+        for p, stream in enumerate(self.streams):
+            out = stream.output
+            if out is not None:
+                prompt, generated = len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.samples)
+            else:  # cut off: its prompt counts once it ran (a token came back)
+                generated = stream.tokens_received
+                prompt = len(stream.request.prompt_token_ids) if generated else 0
+            generated_total += generated
+            self.metrics.tokens(prompt, generated)
+            given = {s.index: s.finish_reason for s in out.samples} if out is not None else {}
+            for i in range(self.n):
+                reason = given.get(i) or self._reasons.get(p * self.n + i) or cut
+                if reason is not None:
+                    self.metrics.ended(reason)
+                    reasons.append(reason)
+            if out is not None:
+                self.metrics.finished(FinishedRequest(
+                    prompt, generated, max((len(s.token_ids) for s in out.samples), default=0), self.n,
+                    stream.request.params.max_tokens, self._ended.get(p, time.perf_counter()) - self.arrival,
+                    _between(out.arrival_time, out.first_scheduled_time),
+                    _between(out.first_scheduled_time, out.first_token_time),
+                    _between(out.first_token_time, out.finish_time)))
+        request_id = self.record.request_id if self.record is not None else None
+        log.info("%s %s request_id=%s outcome=%s user=%s metadata=%s prompt_tokens=%s seconds=%.3f", self.route,
+                 self.response_id, request_id, outcome, self.user, self.metadata,
+                 [len(s.request.prompt_token_ids) for s in self.streams],
                  time.perf_counter() - self.arrival)
+        if self.record is not None:
+            r = self.record
+            r.outcome, r.response_id, r.finish_reasons = outcome, self.response_id, reasons
+            r.prompt_tokens = sum(len(s.request.prompt_token_ids) for s in self.streams)
+            r.output_tokens = generated_total
+            r.ttft = min(self._first.values()) - self.arrival if self._first else None
+            if r.log_prompts:
+                decode = self.tokens.tokenizer.decode
+                r.prompts = [decode(s.request.prompt_token_ids) for s in self.streams]
+                r.outputs = [sample.text for s in self.streams if s.output is not None for sample in s.output.samples]
+            r.call_done()
 
     def abort_all(self) -> None:
         for stream in self.streams:
@@ -96,21 +170,36 @@ class Call:
             if self.on_closed is not None:
                 self.on_closed(stream)
 
-    async def _events(self):
-        """(choice index, event) from every stream, in the order they arrive."""
+    async def _events(self, keepalive_s: float | None = None):
+        """(choice index, event) from every stream, in the order they arrive; with
+        `keepalive_s`, None after each such stretch in which nothing came."""
         pending = {asyncio.ensure_future(s.next()): p for p, s in enumerate(self.streams)}
         try:
             while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED, timeout=keepalive_s)
+                if not done:
+                    yield None
                 for task in done:
                     p = pending.pop(task)
                     event = task.result()
+                    now = time.perf_counter()
                     if event is None:
+                        self._ended[p] = now
                         if self.on_closed is not None:
                             self.on_closed(self.streams[p])
                     else:
-                        if event.token_id is not None and self.on_token is not None:
-                            self.on_token(self.streams[p].request_id)
+                        choice = p * self.n + event.index
+                        if event.token_id is not None:
+                            if p not in self._first:
+                                self._first[p] = now
+                                self.metrics.ttft.observe(now - self.arrival)
+                            if choice in self._last:
+                                self.metrics.inter_token.observe(now - self._last[choice])
+                            self._last[choice] = now
+                            if self.on_token is not None:
+                                self.on_token(self.streams[p].request_id)
+                        if event.finished and event.finish_reason:
+                            self._reasons[choice] = event.finish_reason
                         yield p * self.n + event.index, event
                         pending[asyncio.ensure_future(self.streams[p].next())] = p
         finally:
@@ -118,13 +207,11 @@ class Call:
                 task.cancel()
 
     async def _collect(self) -> None:
-        first = None
-        async for _, event in self._events():
-            if first is None and event.token_id is not None:
-                first = time.perf_counter()
-                self.metrics.ttft.observe(first - self.arrival)
+        async for _ in self._events():
+            pass
 
     async def answer(self, request: Request, *, chat: bool) -> JSONResponse:
+        self.attach(request)
         work = asyncio.ensure_future(self._collect())
         gone = asyncio.ensure_future(until_disconnected(request))
         try:
@@ -140,7 +227,7 @@ class Call:
             work.result()
         except (EngineFailure, ValueError) as error:
             self.abort_all()
-            self.finish(outcome_of(error))
+            self.finish(outcome_of(error), error)
             return failure_error(error).response()
         self.marks["collected"] = time.perf_counter()
         outputs = [s.output for s in self.streams]
@@ -149,15 +236,16 @@ class Call:
             body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
         else:
             body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
-        answer = JSONResponse(body, headers={"X-Request-Id": self.response_id})
+        answer = JSONResponse(body)  # X-Request-Id: labkit.serve.access
         self.marks["serialized"] = time.perf_counter()
         answer.headers["Server-Timing"] = self.server_timing()
         self.finish("ok")
         return answer
 
     def stream(self, request: Request, *, chat: bool, include_usage: bool) -> StreamingResponse:
+        self.attach(request)
         return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
-                                 headers={"X-Request-Id": self.response_id, "Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
 
     def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
         logprobs = None
@@ -176,39 +264,48 @@ class Call:
                                           reason, logprobs)
 
     async def _sse(self, chat: bool, include_usage: bool):
-        outcome = "cancelled"
-        last: dict[int, float] = {}
+        outcome, failure = "cancelled", None
         lengths: dict[int, int] = {}
+        # with include_usage, every chunk but the last carries "usage": null (OpenAI's shape)
+        usage = {"usage": None} if include_usage else {}
         try:
             if chat:
                 for index in range(self.n):
                     role = {"role": "assistant", "content": ""}
-                    yield sse(responses.chat_chunk(self.response_id, self.created, self.model, index, role, None))
-            async for index, event in self._events():
-                now = time.perf_counter()
-                if event.token_id is not None:
-                    if not last:
-                        self.metrics.ttft.observe(now - self.arrival)
-                    elif index in last:
-                        self.metrics.inter_token.observe(now - last[index])
-                    last[index] = now
+                    yield sse(responses.chat_chunk(self.response_id, self.created, self.model, index, role, None)
+                              | usage)
+            async for item in self._events(self.keepalive_s):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                index, event = item
                 chunk = self._chunk(chat, index, event, lengths.get(index, 0))
                 lengths[index] = lengths.get(index, 0) + len(event.text)
                 if chunk is not None:
-                    yield sse(chunk)
+                    yield sse(chunk | usage)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 outputs = [s.output for s in self.streams]
                 yield sse(responses.usage_chunk(self.response_id, self.created, self.model, obj, outputs))
             outcome = "ok"
         except (EngineFailure, ValueError) as error:
-            outcome = outcome_of(error)
+            outcome, failure = outcome_of(error), error
             yield sse(failure_error(error).body())
         finally:
             self.abort_all()
-            self.finish(outcome)
+            self.finish(outcome, failure)
         yield "data: [DONE]\n\n"
+
+
+# An SSE comment: clients skip it; a proxy or load balancer sees bytes, so a request that
+# waits in the queue (or in a long prefill) is not cut off as idle.
+KEEPALIVE = ": keep-alive\n\n"
+
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start

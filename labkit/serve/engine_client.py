@@ -71,6 +71,7 @@ class ResultStream:
         self.finished = False
         self.cancelled = False        # the reader asked to stop (it may not have reached the engine)
         self.attempts = 1
+        self.client_request_id: str | None = None  # the client's X-Request-Id, for log lines
 
     @property
     def request_id(self) -> str:
@@ -149,6 +150,7 @@ class EngineClient(Protocol):
     limits: EngineLimits
     restarts: int
     weights: str | None  # the engine's weights mode (backends.WEIGHTS); None until it is ready
+    context_note: str | None  # why the context is shorter than the model's (capped to the KV pool)
 
     @property
     def ready(self) -> bool: ...
@@ -187,6 +189,7 @@ class InProcessEngine:
     def __init__(self, engine: LLMEngine):
         self.core = EngineCore(engine)
         self.limits, self.weights = engine.limits, engine.weights
+        self.context_note = engine.context_note
         self.restarts = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 

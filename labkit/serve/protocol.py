@@ -3,41 +3,82 @@
     bytes --parse_json_body--> dict --check_fields--> dict --pydantic (strict)--> request model
 
 `parse_json_body` refuses a wrong content type (415), a body over the limit (413), invalid
-UTF-8, text that is not JSON (NaN and Infinity are not JSON), duplicate keys and anything but
-an object (400). `check_fields` names the first field we do not take: one of OpenAI's that this
-service does not support (`unsupported_parameter`), or one OpenAI does not have either
-(`unknown_parameter`). The models are strict: `"5"`, `5.0` and `true` are not token counts,
-NaN is not a temperature. A field sent as null means "not given", as in OpenAI's API; the
-defaults are OpenAI's and are listed in `labkit/serve/README.md`.
+UTF-8, text that is not JSON (NaN and Infinity are not JSON, nor a number beyond a float's
+range such as 1e999), duplicate keys, a string anywhere that is not Unicode (an unpaired
+UTF-16 surrogate escape such as "\\ud800": `invalid_unicode`) and anything but an object (400).
+`check_fields` names the first field we do not take: one of OpenAI's that this service does
+not implement, sent at a value other than the no-op values of `labkit.serve.openai_fields`
+(`unsupported_parameter`), or one OpenAI does not have either (`unknown_parameter`). The
+models are strict: `"5"`, `5.0` and `true` are not token counts, NaN is not a temperature. A
+field sent as null means "not given", as in OpenAI's API; the defaults are OpenAI's and are
+listed in `labkit/serve/README.md`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from labkit.serve.errors import APIError, invalid
+from labkit.serve.openai_fields import (CHAT_NO_OPS, COMPLETION_NO_OPS, MESSAGE_NO_OPS, STREAM_OPTIONS_NO_OPS,
+                                        asks_for_nothing, describe_no_ops)
 
 MAX_STOP_STRINGS = 4          # OpenAI's limit
 MAX_N = 16
-
-# Fields OpenAI documents that this service refuses (a null value counts as not given).
-UNSUPPORTED_COMPLETION = {"best_of", "echo", "logit_bias", "suffix"}
-UNSUPPORTED_CHAT = {"audio", "function_call", "functions", "logit_bias", "metadata", "modalities",
-                    "parallel_tool_calls", "prediction", "prompt_cache_key", "prompt_cache_retention",
-                    "reasoning_effort", "response_format", "safety_identifier", "service_tier", "store",
-                    "tool_choice", "tools", "verbosity", "web_search_options"}
-UNSUPPORTED_MESSAGE = {"name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call"}
-UNSUPPORTED_STREAM_OPTIONS = {"include_obfuscation"}
+# OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 # -- the body --------------------------------------------------------------------------------
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is beyond a 64-bit float's range")
+    return value
+
+
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): only where one occurs can a parsed
+# string hold a lone surrogate (UTF-8 text cannot), so only then are the strings walked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def first_string_not_unicode(value) -> str | None:
+    """Where the first string (key or value) holding a lone surrogate is, as a field path such
+    as `messages[0].content`; None if there is none. Iterative: nesting depth costs no stack."""
+    pending = [("", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return path or "(the body)"
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                where = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                where = f"{path}.{where}" if path else where
+                if not _is_unicode(key):
+                    return where
+                pending.append((where, inner))
+        elif isinstance(item, list):
+            pending.extend((f"{path}[{i}]", inner) for i, inner in reversed(list(enumerate(item))))
+    return None
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -67,17 +108,26 @@ def parse_json_body(raw: bytes) -> dict:
     if not text.strip():
         raise invalid("the body is empty: send a JSON object", code="invalid_json")
     try:
-        body = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          object_pairs_hook=_no_duplicates)
     except (ValueError, RecursionError) as error:
-        raise invalid(f"the body is not valid JSON: {error}", code="invalid_json") from None
+        reason = str(error)
+        if "integer string conversion" in reason:  # Python's own guard, in words for the client
+            reason = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        raise invalid(f"the body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):
+        where = first_string_not_unicode(body)
+        if where is not None:
+            raise invalid(f"{where}: the string holds an unpaired UTF-16 surrogate escape, which is not "
+                          "Unicode text", where, "invalid_unicode")
     return body
 
 
-def check_fields(body: dict, model: type[BaseModel], unsupported: set[str], where: str = "") -> dict:
-    """The body without unsupported fields sent as null; APIError for any other field the
-    model does not have."""
+def check_fields(body: dict, model: type[BaseModel], unsupported: dict[str, tuple], where: str = "") -> dict:
+    """The body without the unsupported fields sent at a value that asks for nothing (null, or
+    one of `unsupported[field]`); APIError for any other field the model does not have."""
     kept = {}
     for key, value in body.items():
         name = f"{where}{key}"
@@ -85,8 +135,10 @@ def check_fields(body: dict, model: type[BaseModel], unsupported: set[str], wher
             kept[key] = value
         elif key not in unsupported:
             raise APIError(400, f"unknown parameter {name}", "unknown_parameter", name)
-        elif value is not None:
-            raise APIError(400, f"{name} is not supported by this service", "unsupported_parameter", name)
+        elif not asks_for_nothing(value, unsupported[key]):
+            taken = f" (only {describe_no_ops(unsupported[key])} are taken: they change nothing)" \
+                if unsupported[key] else ""
+            raise APIError(400, f"{name} is not supported by this service{taken}", "unsupported_parameter", name)
     return kept
 
 
@@ -151,8 +203,14 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
+Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+                          Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
+                     Field(max_length=MAX_METADATA_PAIRS)]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    metadata: Metadata | None = None  # informational, as `user`: written to the log, nothing else
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
@@ -174,7 +232,10 @@ def _param(loc: tuple) -> str:
 
 
 def _describe(value) -> str:
-    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    try:
+        text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    except RecursionError:  # nested about as deep as the parser goes
+        return "a value nested too deep to show"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -188,12 +249,12 @@ def _most_telling(errors: list[dict]) -> dict:
 
 def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
     """The request model, or a 400 naming the first bad field."""
-    body = check_fields(body, model, UNSUPPORTED_CHAT if model is ChatCompletionRequest else UNSUPPORTED_COMPLETION)
+    body = check_fields(body, model, CHAT_NO_OPS if model is ChatCompletionRequest else COMPLETION_NO_OPS)
     if isinstance(body.get("stream_options"), dict):
-        body["stream_options"] = check_fields(body["stream_options"], StreamOptions, UNSUPPORTED_STREAM_OPTIONS,
+        body["stream_options"] = check_fields(body["stream_options"], StreamOptions, STREAM_OPTIONS_NO_OPS,
                                               "stream_options.")
     if model is ChatCompletionRequest and isinstance(body.get("messages"), list):
-        body["messages"] = [check_fields(m, ChatMessage, UNSUPPORTED_MESSAGE, f"messages[{i}].")
+        body["messages"] = [check_fields(m, ChatMessage, MESSAGE_NO_OPS, f"messages[{i}].")
                             if isinstance(m, dict) else m for i, m in enumerate(body["messages"])]
     try:
         request = model.model_validate(body)

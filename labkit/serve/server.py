@@ -24,6 +24,7 @@ import uvicorn
 
 from labkit.serve.app import ServeSettings, build_app
 from labkit.serve.engine_client import InProcessEngine
+from labkit.serve.supervision import Supervision
 from labkit.serve.worker import WorkerEngine, WorkerSpec
 
 
@@ -39,7 +40,8 @@ def read_api_keys(path: str | Path) -> list[str]:
 def engine_fields(args) -> dict:
     fields = {"kv_cache_tokens": args.kv_cache_tokens, "block_size": args.block_size,
               "prefix_caching": not args.no_prefix_caching, "fast_kernels": not args.reference_kernels,
-              "weights": args.weights, "kv_dtype": args.kv_dtype}
+              "weights": args.weights, "kv_dtype": args.kv_dtype,
+              "fit_context_to_pool": True}  # a chat request without max_tokens then gets what fits
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
     fields["scheduler"] = {"max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_batched_tokens}
@@ -63,7 +65,11 @@ def make_client(args):
         if engine.weights_fallback:
             logging.getLogger("labkit.serve").warning("%s; the engine runs f32 weights", engine.weights_fallback)
         return InProcessEngine(engine)
-    return WorkerEngine(WorkerSpec(args.model, args.threads, engine_fields(args)))
+    supervision = Supervision(hang_timeout=args.hang_timeout, first_backoff=args.restart_backoff,
+                              max_backoff=max(args.restart_backoff, args.max_restart_backoff),
+                              max_failed_starts=args.max_failed_starts)
+    spec = WorkerSpec(args.model, args.threads, engine_fields(args), fault_file=args.fault_file)
+    return WorkerEngine(spec, supervision=supervision)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -79,6 +85,34 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains before stopping: the app refuses new
+    requests (503, `Retry-After`) and `/health` says draining while the running requests get
+    `--drain-timeout` seconds (`labkit.serve.app`'s `drain`); then the server stops as uvicorn
+    does and the process exits 0. SIGINT, or a second SIGTERM, stops at once."""
+
+    def __init__(self, config: uvicorn.Config, drain=None):
+        super().__init__(config)
+        self.drain, self.loop, self.draining = drain, None, None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and self.drain is not None and self.draining is None and self.loop is not None:
+            # not recorded as captured: uvicorn would raise it again at exit, and we exit 0
+            self.draining = True
+            self.loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self.draining = self.loop.create_task(self._drain_then_stop(), name="labkit-drain")
+
+    async def _drain_then_stop(self) -> None:
+        try:
+            await self.drain()
+        finally:
+            self.should_exit = True
+
+
 async def _announce(server: uvicorn.Server, url: str, model: str, client) -> None:
     while not server.started:
         if server.should_exit:
@@ -88,7 +122,12 @@ async def _announce(server: uvicorn.Server, url: str, model: str, client) -> Non
     where = ("the naive transformers foil" if client is None else
              f"engine worker pid {pid}" if pid else "engine in process")
     weights = f", {client.weights} weights" if client is not None else ""
-    print(f"labkit serve: {url} (model {model}{weights}, {where})", flush=True)
+    context = ""
+    if client is not None and client.limits is not None:
+        context = f", context {client.limits.max_model_len} tokens"
+        if client.context_note:
+            context += f": {client.context_note}"
+    print(f"labkit serve: {url} (model {model}{weights}, {where}{context})", flush=True)
 
 
 def serve(args) -> int:
@@ -112,16 +151,21 @@ def serve(args) -> int:
                                  max_buffered_events=args.max_buffered_events, slow_reader=args.slow_reader,
                                  queue_policy=args.queue_policy, max_queue=args.max_queue,
                                  default_deadline_ms=args.default_deadline_ms,
-                                 engine_concurrency=args.max_num_seqs)
+                                 engine_concurrency=args.max_num_seqs, drain_timeout=args.drain_timeout,
+                                 request_timeout=args.request_timeout or None,
+                                 max_concurrent_per_key=args.max_concurrent_per_key,
+                                 log_prompts=args.log_prompts, sse_keepalive_seconds=args.sse_keepalive or None)
         client = make_client(args)
         app = build_app(client, load_tokenizer(args.model), settings)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, lifespan="on",
+                                           timeout_graceful_shutdown=5),
+                            drain=getattr(app.state, "drain", None))
 
     async def main() -> None:
+        server.loop = asyncio.get_running_loop()
         announce = asyncio.create_task(_announce(server, url, args.model, client))
         await server.serve(sockets=[sock])
         announce.cancel()
@@ -249,12 +293,36 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-buffered-events", type=int, default=1024,
                         help="events a stream may hold for a slow reader before --slow-reader applies")
     parser.add_argument("--slow-reader", choices=SLOW_READER_POLICIES, default="abort")
-    parser.add_argument("--queue-policy", choices=QUEUE_POLICIES, default="unbounded",
-                        help="admission control (labkit/serve/README.md)")
-    parser.add_argument("--max-queue", type=int, default=8, help="waiting requests for bounded and drop-expired")
+    parser.add_argument("--queue-policy", choices=QUEUE_POLICIES, default="bounded",
+                        help="admission control (labkit/serve/README.md); bounded: 503 when --max-queue wait")
+    parser.add_argument("--max-queue", type=int, default=None,
+                        help="waiting requests for bounded and drop-expired (default: --max-num-seqs)")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds a request may take from arrival to its end (0: no limit)")
+    parser.add_argument("--sse-keepalive", type=float, default=15.0,
+                        help="seconds of silence after which a stream gets an SSE comment (0: never)")
+    parser.add_argument("--max-concurrent-per-key", type=int, default=None,
+                        help="open requests per API key (needs --api-key-file); over it: 429")
     parser.add_argument("--default-deadline-ms", type=float,
                         help="deadline of a request that gives none (default: none)")
+    supervision = Supervision()
+    parser.add_argument("--hang-timeout", type=float, default=supervision.hang_timeout,
+                        help="seconds a worker with work may send nothing before it is killed and replaced")
+    parser.add_argument("--restart-backoff", type=float, default=supervision.first_backoff,
+                        help="seconds before restarting after a failed worker generation (doubles each time)")
+    parser.add_argument("--max-restart-backoff", type=float, default=supervision.max_backoff,
+                        help="cap of the doubling wait between worker starts")
+    parser.add_argument("--max-failed-starts", type=int, default=supervision.max_failed_starts,
+                        help="failed worker generations in a row before the server reports itself failed")
+    parser.add_argument("--drain-timeout", type=float, default=25.0,
+                        help="seconds running requests get after SIGTERM before they are ended (keep it below "
+                             "your orchestrator's grace period: Kubernetes' default is 30 s)")
+    parser.add_argument("--fault-file", help="tests and chapters: inject worker faults through this file "
+                                             "(labkit/serve/fault_injection.py)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="put prompt and output text in the access log (labkit.serve.access, INFO); "
+                             "off by default: they may hold what users would not want logged")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,205 @@
+"""What `/openapi.json` says about the POST routes: their bodies, answers and errors.
+
+The routes read their bodies as raw JSON (`labkit.serve.protocol`: strict types, duplicate
+keys refused, every error in one shape), so FastAPI cannot see the request models. This module
+describes them instead, from the same pydantic models (`model_json_schema`), with models of the
+answers that `labkit.serve.responses` builds as dicts; those models only document the answers
+(what is sent is built there). The models' `$defs` go to `components/schemas`, so the document
+is valid OpenAPI 3.1 and every `$ref` points inside it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from labkit.serve.openai_fields import CHAT_NO_OPS, COMPLETION_NO_OPS
+from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{model}"
+
+
+# -- the answers, as sent by labkit.serve.responses ---------------------------------------
+
+class CachedTokens(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: CachedTokens
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[str]
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and each chunk of a streamed one (one choice each; a last chunk
+    with `usage` and no choices where `stream_options.include_usage` asked for it)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AlternativeLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(AlternativeLogprob):
+    top_logprobs: list[AlternativeLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(BaseModel):
+    """The one error shape (`labkit.serve.errors`)."""
+
+    error: ErrorDetail
+
+
+# -- the routes ----------------------------------------------------------------------------
+
+ERRORS = {400: "a bad body or field, or what the engine cannot do", 401: "no key or a wrong key",
+          404: "unknown model", 413: "body over --max-body-bytes", 415: "not application/json in UTF-8",
+          429: "the queue is full (with Retry-After)",
+          503: "the engine is (re)starting or has failed, the server is draining, or the deadline cannot be met "
+               "(with Retry-After)"}
+
+ROUTES = {"/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse, COMPLETION_NO_OPS),
+          "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CHAT_NO_OPS)}
+
+
+def schema_of(model: type[BaseModel], components: dict, mode: str) -> dict:
+    """A `$ref` to the model in `components`, which gets the model and its `$defs`."""
+    schema = model.model_json_schema(ref_template=REF, mode=mode)
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def event_schema(chunk: dict, error: dict) -> dict:
+    """One Server-Sent Event of a stream, as OpenAPI 3.1 reads an event-stream `schema`: its
+    `data` is a chunk in JSON, the error that ends a failed stream, or the closing `[DONE]`."""
+    return {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+        "data": {"anyOf": [{"const": "[DONE]"},
+                           {"type": "string", "contentMediaType": "application/json",
+                            "contentSchema": {"anyOf": [chunk, error]}}]}}}
+
+
+def describe_post_routes(document: dict) -> dict:
+    """The document with each POST route's request body, 200 answer and errors filled in."""
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    error = schema_of(ErrorResponse, components, "serialization")
+    for path, (request, whole, chunk, no_ops) in ROUTES.items():
+        operation = document["paths"][path]["post"]
+        body = schema_of(request, components, "validation")
+        # OpenAI's fields that are taken only at the values that change nothing
+        components[request.__name__]["properties"].update(
+            {name: {"enum": [None, *values], "description": "not implemented: only these values, which "
+                    "change nothing, are taken"} for name, values in no_ops.items()})
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        operation["responses"] = {
+            "200": {"description": "The answer: one JSON object, or with `stream: true` Server-Sent Events, "
+                                   "each `data:` line one chunk, ending with `data: [DONE]`",
+                    "content": {"application/json": {"schema": schema_of(whole, components, "serialization")},
+                                "text/event-stream": {"schema": event_schema(schema_of(chunk, components,
+                                                                                       "serialization"), error)}}},
+            **{str(status): {"description": why, "content": {"application/json": {"schema": error}}}
+               for status, why in ERRORS.items()}}
+    # Path and query parameters that fail validation get 400 in the one shape, not FastAPI's 422
+    for item in document["paths"].values():
+        for operation in item.values():
+            if operation.get("responses", {}).pop("422", None) is not None:
+                operation["responses"]["400"] = {"description": "a bad path or query parameter",
+                                                 "content": {"application/json": {"schema": error}}}
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    return document
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve the described document at `/openapi.json` (built once, on first request)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = describe_post_routes(get_openapi(title=app.title, version=app.version,
+                                                                  routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi

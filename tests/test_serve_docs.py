@@ -1,0 +1,20 @@
+"""Every flag of `labkit serve` is documented in labkit/serve/README.md's flag table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from labkit.serve.server import add_arguments
+
+README = Path(__file__).resolve().parents[1] / "labkit" / "serve" / "README.md"
+
+
+def test_every_flag_is_in_the_readme_table():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = [option for action in parser._actions for option in action.option_strings
+             if option.startswith("--") and option != "--help"]
+    table = README.read_text().split("## Flags", 1)[1].split("\n## ", 1)[0]
+    missing = [flag for flag in flags if f"`{flag}`" not in table]
+    assert flags and not missing, f"flags without a row in the README's table: {missing}"
