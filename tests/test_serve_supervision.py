@@ -23,7 +23,7 @@ from labkit.serve.supervision import Supervision
 from live_server import LiveServer
 
 MODEL = "smollm2-135m"
-HANG_TIMEOUT = 3.0
+HANG_TIMEOUT = 6.0  # s; a first step on a loaded 2-core machine can take a few seconds
 FIRST_BACKOFF, MAX_BACKOFF, MAX_FAILED = 0.4, 0.8, 3
 COUNTING = "Count from one to one hundred: one, two, three,"
 
@@ -43,7 +43,16 @@ def test_only_a_worker_with_work_can_be_hung():
     assert policy.hung(has_work=True, silent_for=2.01)
 
 
+def test_a_generation_fails_when_it_dies_before_it_served_and_soon_after_its_start():
+    policy = Supervision(stable_after=60.0)
+    assert policy.generation_failed(served=False, lived_for=0.1)       # crashed in its first step
+    assert policy.generation_failed(served=False, lived_for=59.9)
+    assert not policy.generation_failed(served=False, lived_for=60.0)  # idle for a minute, then killed
+    assert not policy.generation_failed(served=True, lived_for=0.1)    # it ran a step with work
+
+
 @pytest.mark.parametrize("fields", [{"hang_timeout": 0}, {"first_backoff": -1}, {"max_failed_starts": 0},
+                                    {"stable_after": 0},
                                     {"first_backoff": 2.0, "max_backoff": 1.0}])
 def test_a_policy_that_cannot_work_is_refused(fields):
     with pytest.raises(ValueError):
@@ -68,7 +77,7 @@ def test_failed_starts_wait_their_backoff_then_the_engine_gives_up():
         raise RuntimeError("the engine worker failed to start: injected")
 
     engine._launch = failing_launch
-    engine._advanced = True  # the worker that died had served: its replacement starts at once
+    engine._served = True  # the worker that died had served: its replacement starts at once
     began = time.monotonic()
     asyncio.run(engine._recover("died (exit code -9)"))
     gaps = [b - a for a, b in zip([began] + starts, starts)]
@@ -93,7 +102,7 @@ def test_a_fault_file_names_known_faults_only(tmp_path):
     assert faults.active() == set() and faults.wrap_step(lambda: ["ran"])() == ["ran"]
     with pytest.raises(ValueError):
         write_faults(path, "explode")
-    assert set(FAULTS) == {"fail-start", "raise-step", "hang-step"}
+    assert set(FAULTS) == {"fail-start", "raise-step", "hang-step", "crash-step"}
 
 
 # -- a real server ------------------------------------------------------------------------
@@ -148,7 +157,8 @@ def test_a_step_that_raises_fails_its_requests_and_the_worker_goes_on(server, fa
     assert "raise-step injected" in error["message"] and answer.headers["retry-after"]
     status, state = health(server)
     assert status == 200 and state["worker_pid"] == pid and state["state"] == "ready"
-    assert complete(server).status_code == 200
+    after = complete(server)
+    assert after.status_code == 200, after.text
     server.wait_until(server.idle, timeout=10)
 
 
@@ -212,9 +222,40 @@ def test_a_request_that_received_nothing_from_a_hung_worker_is_resubmitted(serve
 
 
 @pytest.mark.slow
+def test_a_worker_that_crashes_in_its_first_step_with_work_counts_as_a_failed_start(server, faults):
+    """A worker that starts, idles (sending its counters, as an idle worker does once), then
+    dies in its first step with work (a kernel crash) is a failed generation, and so is the one
+    its request is resubmitted to: the request is answered engine_died instead of killing
+    workers for ever, and a worker that then serves resets the count. A worker that had served
+    and is killed is not a failed start."""
+    server.wait_until(server.ready, timeout=60)
+    first = complete(server)
+    assert first.status_code == 200, first.text  # this generation has served
+    before = health(server)[1]
+    write_faults(faults, "crash-step")
+    os.kill(before["worker_pid"], signal.SIGKILL)
+    server.wait_until(lambda: health(server)[1]["restarts"] == before["restarts"] + 1 and server.ready(),
+                      timeout=120, interval=0.05)
+    assert health(server)[1]["failed_starts"] == before["failed_starts"]
+    time.sleep(0.5)  # the new worker idles and sends its counters before its first work
+    answer = complete(server)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_died", answer.text
+    server.wait_until(server.ready, timeout=120, interval=0.05)
+    crashed = health(server)[1]
+    # two workers died in their first step with work: two failed generations in a row
+    assert crashed["failed_starts"] == before["failed_starts"] + 2, crashed
+    assert crashed["restarts"] == before["restarts"] + 3
+    write_faults(faults)
+    assert complete(server).status_code == 200
+    assert health(server)[1]["failed_starts"] == 0
+    server.wait_until(server.idle, timeout=10)
+
+
+@pytest.mark.slow
 def test_a_worker_that_fails_every_start_backs_off_then_the_server_says_failed(server, faults):
     """Runs last: the server stays failed."""
     server.wait_until(server.ready, timeout=60)
+    assert complete(server).status_code == 200  # the worker to be killed has served
     before = health(server)[1]
     write_faults(faults, "fail-start")
     killed_at = time.monotonic()

@@ -189,12 +189,14 @@ def hung_worker(url: str, stream_prompt, waiting_prompt, *, hang_timeout: float,
 
 def crash_loop(serve_args, *, first_backoff: float, max_backoff: float, max_failed_starts: int,
                sample_every: float = 0.01, quiet_s: float | None = None, timeout: float = 300.0) -> Scenario:
-    """Start a service of its own (`serve_args` plus a fault file and the backoff flags), write
+    """Start a service of its own (`serve_args` plus a fault file and the backoff flags), have
+    its worker serve one request (a worker that served and died is not a failed start), write
     `fail-start`, SIGKILL its worker and sample `/health` every `sample_every` s until it
     says `failed`; then wait `quiet_s` (default 1.5 x `max_backoff`) for any further start
     and send one request. Last, SIGTERM: a failed server must still exit (0)."""
     quiet_s = 1.5 * max_backoff if quiet_s is None else quiet_s
     samples: list[dict] = []
+    served = Outcome("before the kill", "whole")
     refused = Outcome("after failed", "whole")
     marks: dict = {}
     with tempfile.TemporaryDirectory(prefix="labkit-faults-") as folder:
@@ -207,6 +209,8 @@ def crash_loop(serve_args, *, first_backoff: float, max_backoff: float, max_fail
 
             async def go():
                 async with async_client() as client, fc.Poller(url) as poller:
+                    await fc.whole(client, url, body("The capital of France is", 4), served)
+                    before.update(fc.health(url)[1])
                     write_faults(path, "fail-start")
                     marks["pid"], kill = fc.kill_worker(url)
                     while True:
@@ -242,7 +246,7 @@ def crash_loop(serve_args, *, first_backoff: float, max_backoff: float, max_fail
         "crash_loop", f"fail-start injected, then SIGKILL of worker {marks['pid']}: every start fails "
                       f"(--restart-backoff {first_backoff:g}, --max-restart-backoff {max_backoff:g}, "
                       f"--max-failed-starts {max_failed_starts})",
-        [refused],
+        [served, refused],
         {"failed_after_kill_s": failed_at, "first_start_after_kill_s": starts[0] if starts else None,
          "gaps_s": [row["gap_s"] for row in waits], "closed_form_s": [row["closed_form_s"] for row in waits],
          "start_took_s": [row["start_took_s"] for row in gaps if row["start_took_s"] is not None],
@@ -252,7 +256,8 @@ def crash_loop(serve_args, *, first_backoff: float, max_backoff: float, max_fail
          "first_backoff_s": first_backoff, "max_backoff_s": max_backoff, "last_failure": state["last_failure"],
          "exit_code": marks["code"],
          "max_sample_gap_s": max((b["t_s"] - a["t_s"] for a, b in zip(samples, samples[1:])), default=None)},
-        {"the server said failed (503) after max_failed_starts failed starts":
+        {"the killed worker had served a request": served.status == 200,
+         "the server said failed (503) after max_failed_starts failed starts":
              status == 503 and state["status"] == "failed" and state["failed_starts"] == max_failed_starts,
          "every start after the kill failed": len(starts) == max_failed_starts == len(failures),
          "no start came before its wait": all(row["gap_s"] >= row["closed_form_s"] - 0.02 for row in waits),

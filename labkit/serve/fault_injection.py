@@ -7,6 +7,8 @@ starts and before each engine step; a missing file means no fault. The words:
     raise-step   each engine step raises (the core fails the step's requests and goes on)
     hang-step    each engine step blocks until the word is gone (a worker that is alive,
                  answers signals, and does not advance: what the hang detector must catch)
+    crash-step   the first engine step with work kills the worker process (`SIGKILL` to
+                 itself: a crash in a kernel, which no `except` sees)
 
 A signal needs no file: `SIGSTOP` freezes a worker, `SIGKILL` ends it. The file is read
 with one `stat` per step when nothing is injected, so leaving the option on costs nothing
@@ -16,9 +18,10 @@ measurable; without the option the worker never looks.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
-FAULTS = ("fail-start", "raise-step", "hang-step")
+FAULTS = ("fail-start", "raise-step", "hang-step", "crash-step")
 
 
 class InjectedFault(RuntimeError):
@@ -44,8 +47,9 @@ class FaultFile:
         if "fail-start" in self.active():
             raise InjectedFault(f"fail-start injected by {self.path}")
 
-    def wrap_step(self, step):
-        """`step` with the file's step faults applied before each call."""
+    def wrap_step(self, step, has_work=lambda: True):
+        """`step` with the file's step faults applied before each call; `has_work` tells a
+        step with work from the idle ones the worker runs between commands."""
 
         def faulty_step():
             faults = self.active()
@@ -54,6 +58,8 @@ class FaultFile:
                 faults = self.active()
             if "raise-step" in faults:
                 raise InjectedFault(f"raise-step injected by {self.path}")
+            if "crash-step" in faults and has_work():
+                os.kill(os.getpid(), signal.SIGKILL)
             return step()
 
         return faulty_step

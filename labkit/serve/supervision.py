@@ -11,10 +11,13 @@ seconds is stuck (in a kernel, a deadlock, or `SIGSTOP`). A step's length is bou
 scheduler's token budget (`--max-batched-tokens`, chunked prefill), so the default of 60 s
 (vLLM's `VLLM_ENGINE_ITERATION_TIMEOUT_S`) is far above any healthy step here.
 
-A *generation* (one worker process) has failed if it did not start, or if it was given work
-and died or hung before it sent its first batch; one that advanced once resets the count. Between failed
-generations the wait doubles from `first_backoff` up to `max_backoff`, so a worker that dies
-at start-up costs a few starts a minute, not ten a second.
+A *generation* (one worker process) has *served* once it has sent an event for a request (a
+token, or a request's end). It has failed if it did not start, or if it died or hung before it
+served and within `stable_after` seconds of its start: a worker that crashes in its first step
+with work (a kernel fault, a first-step allocation) fails like one that cannot build its engine,
+while an idle worker killed after a long quiet run is replaced at once. A generation that served
+resets the count. Between failed generations the wait doubles from `first_backoff` up to
+`max_backoff`, so a worker that dies at start-up costs a few starts a minute, not ten a second.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ class Supervision:
     first_backoff: float = 0.5      # s before the start that follows one failed generation
     max_backoff: float = 30.0       # s, the cap of the doubling
     max_failed_starts: int = 5      # failed generations in a row before the server gives up
+    stable_after: float = 60.0      # s: a generation that lived this long without serving did not fail
 
     def __post_init__(self) -> None:
-        for name in ("poll_interval", "hang_timeout", "first_backoff", "max_backoff"):
+        for name in ("poll_interval", "hang_timeout", "first_backoff", "max_backoff", "stable_after"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_backoff < self.first_backoff:
@@ -47,6 +51,11 @@ class Supervision:
         if failures <= 0:
             return 0.0
         return min(self.max_backoff, self.first_backoff * 2.0 ** (failures - 1))
+
+    def generation_failed(self, served: bool, lived_for: float) -> bool:
+        """True when a worker that died or hung after `lived_for` seconds counts as a failed
+        generation: it never served a request and did not live `stable_after` seconds."""
+        return not served and lived_for < self.stable_after
 
     def gives_up(self, failures: int) -> bool:
         return failures >= self.max_failed_starts

@@ -79,7 +79,7 @@ class WorkerSpec:
             options["scheduler"] = SchedulerConfig(**options["scheduler"])
         engine = LLMEngine(load_model(self.model), EngineConfig(**options))
         if faults is not None:
-            engine.step = faults.wrap_step(engine.step)
+            engine.step = faults.wrap_step(engine.step, engine.has_unfinished)
         return engine
 
 
@@ -221,7 +221,8 @@ class WorkerEngine:
         self.state = "starting"       # supervision.STATES
         self.worker_pid: int | None = None
         self._last_batch = time.monotonic()
-        self._advanced = False        # the current generation has sent a batch
+        self._served = False          # the current generation has sent an event for a request
+        self._started_at = time.monotonic()
         self._ready = False
         self._stopping = False
         self._streams: dict[str, ResultStream] = {}
@@ -286,7 +287,8 @@ class WorkerEngine:
         if ready.weights_fallback and self._generation == 1:
             log.warning("%s; the engine runs f32 weights", ready.weights_fallback)
         self._read_task = asyncio.create_task(self._read(self._events), name="labkit-worker-read")
-        self._last_batch, self._advanced = time.monotonic(), False
+        self._last_batch, self._served = time.monotonic(), False
+        self._started_at = self._last_batch
         self._ready, self.state = True, "ready"
         log.info("engine worker %d ready (generation %d)", ready.pid, self._generation)
 
@@ -294,8 +296,10 @@ class WorkerEngine:
         while True:
             batch: Batch = await events.recv_pyobj()
             self._last_batch = time.monotonic()
-            if not self._advanced:
-                self._advanced, self.failed_starts = True, 0
+            # An idle worker sends its counters once after Ready; only an event for a request
+            # shows that this generation can run a step with work.
+            if batch.items and not self._served:
+                self._served, self.failed_starts = True, 0
             self._stats = batch.stats
             for request_id, item in batch.items:
                 stream = self._streams.get(request_id)
@@ -324,7 +328,7 @@ class WorkerEngine:
         self._ready, self.state = False, "restarting"
         self._stats = None  # the dead worker's gauges no longer describe anything
         self._close_sockets()
-        if not self._advanced and self._streams:  # it was given work and never produced anything
+        if self.supervision.generation_failed(self._served, time.monotonic() - self._started_at):
             self.failed_starts += 1
         self.last_failure = f"worker {self.worker_pid} {what}"
         retry = []
