@@ -50,6 +50,9 @@ def test_answers_are_read_from_the_completion_and_from_a_worked_reply():
     assert ic.first_integer(" twelve") is None
     assert ic.final_integer("7 + 5: 7 + 3 = 10, plus 2 is 12. Answer: 12") == 12
     assert ic.final_integer("first 3, then 9") == 9
+    assert ic.worked_answer(" 8 + 3 = 11, so ... The answer is 61.\nQ: 2 + 2\nA: The answer is 4.") == 61
+    assert ic.worked_answer(" 8 + 3 = 11, so the last digit is 1\nQ: 5 + 1\nA: The answer is 6.") is None
+    assert ic.worked_prompt(ic.Problem((51, 8), "")).endswith("Q: 51 + 8\nA:")
 
 
 @pytest.mark.parametrize("successes,total", [(0, 10), (7, 20), (20, 20), (33, 120)])

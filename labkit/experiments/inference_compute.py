@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 FEW_SHOT = {1: "3 + 4 = 7\n5 + 2 = 7\n", 2: "23 + 4 = 27\n58 + 7 = 65\n"}
+# The serial method's prompt: two worked answers that spell out the digit sums, so a larger
+# token budget gives the model room to work before it states "The answer is N."
+WORKED_SHOTS = ("Q: 23 + 4\nA: 3 + 4 = 7, so the last digit is 7 and the tens stay 2. The answer is 27.\n"
+                "Q: 58 + 7\nA: 8 + 7 = 15, so the last digit is 5 and we carry 1: 5 + 1 = 6. "
+                "The answer is 65.\n")
 INTEGER = re.compile(r"-?\d+")
+ANSWER_IS = re.compile(r"The answer is (-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,18 @@ def first_integer(text: str) -> int | None:
     """The answer a few-shot completion gives: the first integer in it (None if there is none)."""
     found = INTEGER.search(text)
     return int(found.group()) if found else None
+
+
+def worked_prompt(problem: Problem) -> str:
+    """The question in the worked-answer format (`WORKED_SHOTS`)."""
+    return WORKED_SHOTS + f"Q: {' + '.join(map(str, problem.operands))}\nA:"
+
+
+def worked_answer(text: str) -> int | None:
+    """The N of "The answer is N" in the model's own answer (cut at the next "Q:", where it
+    starts inventing questions); None when the budget ran out before it said so."""
+    found = ANSWER_IS.search(text.split("\nQ:")[0])
+    return int(found.group(1)) if found else None
 
 
 def final_integer(text: str) -> int | None:
