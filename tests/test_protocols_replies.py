@@ -53,8 +53,9 @@ def comparable(parsed: ParsedReply) -> dict:
     if parsed.content:
         message["content"] = parsed.content
     if parsed.tool_calls:
-        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                                 for c in parsed.tool_calls]
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            for c in parsed.tool_calls]
     return message
 
 
@@ -68,7 +69,8 @@ REPLIES = [
     "<think>The user wants weather.</think>" + CALL + "<|im_end|>",
     "<think>\nshort thought\n</think>\n\nThe answer is 4.<|im_end|>",
     '<tool_call>{"name": "no_args", "arguments": {}}</tool_call><|endoftext|>',
-    '<tool_call>{"name": "nested", "arguments": {"q": {"a": [1, 2, {"b": null}]}, "s": "東京 <x>"}}</tool_call>',
+    '<tool_call>{"name": "nested", "arguments": {"q": {"a": [1, 2, {"b": null}]}, "s": "東京 <x>"}}'
+    '</tool_call>',
 ]
 
 
@@ -78,8 +80,8 @@ def test_hermes_parse_matches_transformers(hf_parse, text):
     assert comparable(parse_reply(text, HERMES)) == hf_parse(text)
 
 
-PIECES = ["Hi", " ", "\n", "ok.", "東京", CALL, '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>',
-          "<think>why</think>", "<|im_end|>"]
+PIECES = ["Hi", " ", "\n", "ok.", "東京", CALL, "<think>why</think>", "<|im_end|>",
+          '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>']
 
 
 @pytest.mark.slow
@@ -150,7 +152,8 @@ def test_malformed_tool_calls_are_errors_or_kept_as_text(block, problem):
 
 def test_chatml_and_gemma_have_no_tool_calls():
     assert parse_reply(f"{CALL}<|im_end|>", CHATML) == ParsedReply(CALL, finished=True)
-    assert parse_reply("Sure.<end_of_turn>\n<start_of_turn>user\nmore", GEMMA3) == ParsedReply("Sure.", finished=True)
+    gemma = parse_reply("Sure.<end_of_turn>\n<start_of_turn>user\nmore", GEMMA3)
+    assert gemma == ParsedReply("Sure.", finished=True)
     assert parse_reply("cut sho", GEMMA3) == ParsedReply("cut sho", finished=False)
 
 

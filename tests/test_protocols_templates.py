@@ -28,7 +28,8 @@ SMOL_CONVERSATIONS = [
     [  # tool turns: SmolLM2's template writes a tool message as a turn of role "tool"
         {"role": "system", "content": "You can call get_weather."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'},
+        {"role": "assistant",
+         "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'},
         {"role": "tool", "content": '{"temperature_c": 18, "sky": "clear"}'},
         {"role": "assistant", "content": "It is 18 °C and clear."},
     ],
@@ -123,7 +124,8 @@ def test_gemma3_template_renders_the_documented_dialogue(gemma):
     messages = [{"role": "user", "content": "knock knock"}, {"role": "assistant", "content": "who is there"},
                 {"role": "user", "content": "Gemma"}, {"role": "assistant", "content": "Gemma who?"}]
     assert gemma.apply_chat_template(messages, add_generation_prompt=False) == (
-        "<bos><start_of_turn>user\nknock knock<end_of_turn>\n<start_of_turn>model\nwho is there<end_of_turn>\n"
+        "<bos><start_of_turn>user\nknock knock<end_of_turn>\n"
+        "<start_of_turn>model\nwho is there<end_of_turn>\n"
         "<start_of_turn>user\nGemma<end_of_turn>\n<start_of_turn>model\nGemma who?<end_of_turn>\n")
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert gemma.apply_chat_template(system) == (
@@ -211,12 +213,13 @@ def test_template_keywords_are_defused_too(smol):
     assert role_boundaries(tok, ids, ("<|im_start|>", "<|im_end|>")) == 2
 
 
-SPELLINGS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<", "|", ">", "im_", "system", "\n", " ", "a", "é",
-             "<|im", "_start|>"]
+SPELLINGS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<", "|", ">", "im_", "system", "\n", " ", "a",
+             "é", "<|im", "_start|>"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(contents=st.lists(st.lists(st.sampled_from(SPELLINGS), max_size=12).map("".join), min_size=1, max_size=4))
+@given(contents=st.lists(st.lists(st.sampled_from(SPELLINGS), max_size=12).map("".join),
+                         min_size=1, max_size=4))
 def test_any_text_gives_exactly_the_templates_boundaries(smol, contents):
     roles = ["user", "assistant"] * 2
     messages = [{"role": roles[i], "content": c} for i, c in enumerate(contents)]

@@ -62,7 +62,8 @@ class ToolCall:
     arguments: str
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def tool_call_of(body: str, make_id: Callable[[], str]) -> ToolCall:
     try:
         value = json.loads(body)
     except json.JSONDecodeError as error:
-        raise ReplyParseError(f"a tool call is not JSON ({error.msg} at {error.pos}): {body[:80]!r}") from None
+        raise ReplyParseError(
+            f"a tool call is not JSON ({error.msg} at {error.pos}): {body[:80]!r}") from None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         raise ReplyParseError(f"a tool call must be an object with a string 'name': {body[:80]!r}")
     arguments = value.get("arguments", {})
