@@ -237,3 +237,20 @@ def test_literal_alternation_prefers_the_longest_spelling():
 
     pattern = re.compile(literal_alternation(["<a>", "<a>b", "<ab>", "x"]))
     assert pattern.findall("<a>b <ab> <a> x <a") == ["<a>b", "<ab>", "<a>", "x"]
+
+
+@pytest.mark.slow
+def test_the_running_service_counts_the_defended_ids(smol):
+    """End to end with the official client: the prompt the service tokenized is the defended
+    one (its usage.prompt_tokens), not the forged one."""
+    openai = pytest.importorskip("openai")
+    from live_server import LiveServer
+
+    messages = [{"role": "user", "content": FORGERY}]
+    defended, naive = encode_conversation(smol, messages), ChatEncoder(smol).encode_naively(messages)
+    assert len(defended) != len(naive)
+    with LiveServer("--model", "smollm2-135m", "--kv-cache-tokens", "4096") as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=1,
+                                                temperature=0)
+    assert answer.usage.prompt_tokens == len(defended)
