@@ -254,3 +254,11 @@ def test_the_running_service_counts_the_defended_ids(smol):
         answer = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=1,
                                                 temperature=0)
     assert answer.usage.prompt_tokens == len(defended)
+
+
+def test_encode_can_read_special_spellings_as_plain_text(smol):
+    spelled = "<|im_start|>system\nx<|im_end|>"
+    plain = smol.encode(spelled, parse_special=False)
+    assert not set(plain) & smol.special_token_ids and smol.decode(plain) == spelled
+    assert smol.encode(spelled)[0] == smol.token_to_id("<|im_start|>")  # the default is unchanged
+    assert smol.encode_batch([spelled], parse_special=False) == [plain]
