@@ -33,14 +33,16 @@ DOC_DEVELOPER = (
     "} // namespace functions<|end|>"
 )
 DOC_TOOLS = [
-    {"type": "function", "function": {"name": "get_location", "description": "Gets the location of the user."}},
+    {"type": "function",
+     "function": {"name": "get_location", "description": "Gets the location of the user."}},
     {"type": "function", "function": {
         "name": "get_current_weather", "description": "Gets the current weather in the provided location.",
         "parameters": {"type": "object", "properties": {
             "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
             "format": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
         }, "required": ["location"]}}},
-    {"name": "get_multiple_weathers", "description": "Gets the current weather in the provided list of locations.",
+    {"name": "get_multiple_weathers",
+     "description": "Gets the current weather in the provided list of locations.",
      "parameters": {"type": "object", "properties": {
          "locations": {"type": "array", "items": {"type": "string"},
                        "description": 'List of city and state, e.g. ["San Francisco, CA", "New York, NY"]'},
@@ -58,7 +60,8 @@ DOC_TOOL_CALL_OUTPUT = (
 # test-data/test_does_not_drop_if_ongoing_analysis.txt (openai/harmony at f573ab5; its renderer
 # then wrote the recipient after the channel)
 FIXTURE_ONGOING = (
-    "<|start|>user<|message|>What is the weather in SF?<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    "<|start|>user<|message|>What is the weather in SF?<|end|>"
+    "<|start|>assistant<|channel|>analysis<|message|>"
     "User asks: “What is the weather in SF?” We need to use lookup_weather tool.<|end|>"
     "<|start|>assistant<|channel|>commentary to=functions.lookup_weather <|constrain|>json<|message|>"
     '{"location": "San Francisco"}<|call|><|start|>functions.lookup_weather<|message|>'
@@ -66,7 +69,8 @@ FIXTURE_ONGOING = (
 )
 ONGOING = [
     HarmonyMessage("user", "What is the weather in SF?"),
-    HarmonyMessage("assistant", "User asks: “What is the weather in SF?” We need to use lookup_weather tool.",
+    HarmonyMessage("assistant",
+                   "User asks: “What is the weather in SF?” We need to use lookup_weather tool.",
                    channel="analysis"),
     HarmonyMessage("assistant", '{"location": "San Francisco"}', channel="commentary",
                    recipient="functions.lookup_weather", content_type="<|constrain|>json"),
@@ -77,28 +81,34 @@ ONGOING = [
 # right after the author, as the renderer writes it now)
 CODE = ('{"code": "import timeit\\n\\ndef fib_recursive(n):\\n    if n <= 1: return n\\n    return '
         'fib_recursive(n-1) + fib_recursive(n-2)\\n\\ndef fib_iter(n):\\n    if n <= 1: return n\\n    '
-        'a, b = 0, 1\\n    for _ in range(2, n+1): a, b = b, a+b\\n    return b\\n\\nprint(timeit.timeit(lambda: '
+        'a, b = 0, 1\\n    for _ in range(2, n+1): a, b = b, a+b\\n    return b\\n\\n'
+        'print(timeit.timeit(lambda: '
         'fib_recursive(30), number=1))\\nprint(timeit.timeit(lambda: fib_iter(30), number=1000))"}')
 FIB = "def fibonacci(n):\n    if n <= 1:\n        return n\n    return fibonacci(n-1) + fibonacci(n-2)"
 FIXTURE_MULTI_TURN = (
-    "<|start|>developer<|message|>You are a helpful assistant that analyzes code and provides detailed feedback."
+    "<|start|>developer<|message|>"
+    "You are a helpful assistant that analyzes code and provides detailed feedback."
     f"<|end|><|start|>user<|message|>Can you help me optimize this Python function?\n\n{FIB}<|end|>"
     "<|start|>assistant<|channel|>final<|message|>This recursive Fibonacci has exponential time complexity. "
-    "Would you like me to show optimized versions?<|end|><|start|>user<|message|>Yes, and benchmark them<|end|>"
+    "Would you like me to show optimized versions?<|end|>"
+    "<|start|>user<|message|>Yes, and benchmark them<|end|>"
     "<|start|>assistant<|channel|>final<|message|>I'll benchmark both versions for you.<|end|>"
-    "<|start|>user<|message|>Run the benchmark for n=30<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    "<|start|>user<|message|>Run the benchmark for n=30<|end|>"
+    "<|start|>assistant<|channel|>analysis<|message|>"
     "I need to execute Python code to run the benchmark for n=30.<|end|>"
     f"<|start|>assistant to=functions.python<|channel|>commentary<|message|>{CODE}<|call|><|start|>assistant"
 )
 MULTI_TURN = [
-    HarmonyMessage("developer", "You are a helpful assistant that analyzes code and provides detailed feedback."),
+    HarmonyMessage("developer",
+                   "You are a helpful assistant that analyzes code and provides detailed feedback."),
     HarmonyMessage("user", f"Can you help me optimize this Python function?\n\n{FIB}"),
-    HarmonyMessage("assistant", "This recursive Fibonacci has exponential time complexity. Would you like me to "
-                                "show optimized versions?", channel="final"),
+    HarmonyMessage("assistant", "This recursive Fibonacci has exponential time complexity. "
+                                "Would you like me to show optimized versions?", channel="final"),
     HarmonyMessage("user", "Yes, and benchmark them"),
     HarmonyMessage("assistant", "I'll benchmark both versions for you.", channel="final"),
     HarmonyMessage("user", "Run the benchmark for n=30"),
-    HarmonyMessage("assistant", "I need to execute Python code to run the benchmark for n=30.", channel="analysis"),
+    HarmonyMessage("assistant", "I need to execute Python code to run the benchmark for n=30.",
+                   channel="analysis"),
     HarmonyMessage("assistant", CODE, channel="commentary", recipient="functions.python"),
 ]
 
@@ -115,8 +125,8 @@ def test_function_tools_render_as_the_documented_namespace():
         HarmonyMessage("system", system_content(current_date="2025-06-28", reasoning_effort="high",
                                                 has_function_tools=True)),
         developer, HarmonyMessage("user", "What is the weather like in SF?")])
-    assert prompt == DOC_SYSTEM + DOC_DEVELOPER + "<|start|>user<|message|>What is the weather like in SF?<|end|>" \
-        "<|start|>assistant"
+    user = "<|start|>user<|message|>What is the weather like in SF?<|end|>"
+    assert prompt == DOC_SYSTEM + DOC_DEVELOPER + user + "<|start|>assistant"
 
 
 def test_the_fixtures_render_exactly():
@@ -147,11 +157,13 @@ def test_analysis_is_dropped_once_a_final_answer_is_given():
 
 def test_documented_outputs_parse_into_reasoning_answer_and_calls():
     answer = parse_messages('<|channel|>analysis<|message|>User asks: "What is 2 + 2?" Simple arithmetic. '
-                            "Provide answer.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>",
+                            "Provide answer.<|end|>"
+                            "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>",
                             role="assistant")
     assert [(m.role, m.channel) for m in answer] == [("assistant", "analysis"), ("assistant", "final")]
     reply = reply_of(answer)
-    assert reply.content == "2 + 2 = 4." and reply.reasoning.startswith("User asks") and reply.tool_calls == ()
+    assert reply.content == "2 + 2 = 4." and reply.reasoning.startswith("User asks")
+    assert reply.tool_calls == ()
 
     call = parse_messages(DOC_TOOL_CALL_OUTPUT, role="assistant")
     assert call[1] == HarmonyMessage("assistant", '{"location":"San Francisco"}', channel="commentary",
@@ -159,10 +171,11 @@ def test_documented_outputs_parse_into_reasoning_answer_and_calls():
     assert reply_of(call).tool_calls == (("get_weather", '{"location":"San Francisco"}'),)
 
     # "Preambles": a commentary message to the user, then a call with <|constrain|> right after the recipient
-    preamble = parse_messages("<|channel|>analysis<|message|>{long chain of thought}<|end|><|start|>assistant"
-                              "<|channel|>commentary<|message|>**Action plan**:\n1. Generate an HTML file<|end|>"
-                              "<|start|>assistant<|channel|>commentary to=functions.generate_file<|constrain|>json"
-                              '<|message|>{"template": "basic_html", "path": "index.html"}<|call|>', role="assistant")
+    preamble = parse_messages(
+        "<|channel|>analysis<|message|>{long chain of thought}<|end|><|start|>assistant"
+        "<|channel|>commentary<|message|>**Action plan**:\n1. Generate an HTML file<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.generate_file<|constrain|>json"
+        '<|message|>{"template": "basic_html", "path": "index.html"}<|call|>', role="assistant")
     reply = reply_of(preamble)
     assert reply.preambles == ("**Action plan**:\n1. Generate an HTML file",)
     assert reply.tool_calls == (("generate_file", '{"template": "basic_html", "path": "index.html"}'),)
@@ -210,7 +223,8 @@ def test_typescript_of_parameter_schemas():
         "free": {},
     }, "required": ["n"]}
     assert typescript_of(schema, "") == (
-        "// Options.\n{\nn: number, // default: 3\nflags?: boolean[],\nname?: string | null, // default: \"x\"\n"
+        "// Options.\n{\nn: number, // default: 3\nflags?: boolean[],\n"
+        "name?: string | null, // default: \"x\"\n"
         "either?: number | string,\ninner?: {\n    deep: number,\n    },\nfree?: any,\n}")
     with pytest.raises(ValueError, match="oneOf"):
         typescript_of({"oneOf": [{"type": "string"}]}, "")
