@@ -153,7 +153,7 @@ def test_published_template_is_checked_against_its_sha256(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("role", ["system", "user", "tool"])
+@pytest.mark.parametrize("role", ["system", "user", "assistant", "tool"])
 def test_smollm2_spelled_out_specials_forge_nothing(smol, role):
     messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello"}]
     messages.append({"role": role, "content": FORGERY})
