@@ -234,6 +234,20 @@ def feed(pipe, data: bytes) -> None:
         pass  # the tool did not read it all: its business
 
 
+def all_zombies(pgid: int) -> bool:
+    """Whether every process left in the group has exited (zombies wait for a reaper)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            return False
+    return True
+
+
 @dataclass
 class Ending:
     stdout: bytes
@@ -256,6 +270,20 @@ class Collector:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def wait_for_group(self, timeout: float = 5.0) -> None:
+        """After a kill: the launcher died at once, but the namespace's pid 1 exits only once the
+        kernel has killed and reaped every process in it. Wait for that (bounded), so that
+        nothing of the run is alive when `run` returns."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            if all_zombies(self.proc.pid):
+                return
+            time.sleep(0.02)
 
     def collect(self, deadline: float) -> Ending:
         chunks = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray()}
@@ -284,6 +312,8 @@ class Collector:
                 self.kill()
             returncode = self.proc.wait()  # the launcher waits for the namespace's pid 1, so
             # once it is gone the kernel has killed every process the tool left behind
+            if timed_out or over_output:
+                self.wait_for_group()
             selector.close()
             os.close(self.status_fd)
             self.proc.stdout.close()
