@@ -38,7 +38,8 @@ def test_two_rounds_with_one_trace_id():
     assert model.trace_ids == ["trace-abc", "trace-abc"]
     assert {step.trace_id for step in trace.steps} == {"trace-abc"}
     assert [(s.round, s.kind, s.name) for s in trace.steps] == [
-        (0, "model", "scripted-0"), (0, "tool", "calculator"), (0, "tool", "word_count"), (1, "model", "scripted-1")]
+        (0, "model", "scripted-0"), (0, "tool", "calculator"), (0, "tool", "word_count"),
+        (1, "model", "scripted-1")]
     assert all(s.elapsed_s >= 0 for s in trace.steps)
     assert [s.started_s for s in trace.steps] == sorted(s.started_s for s in trace.steps)
     calc, words = trace.tool_steps()
@@ -49,7 +50,8 @@ def test_two_rounds_with_one_trace_id():
     assert second[:len(first)] == first
     assistant, *tools = second[len(first):]
     assert assistant["content"] == model.replies[0]
-    assert [c["id"] for c in assistant["tool_calls"]] == [t["tool_call_id"] for t in tools] == ["call_0_0", "call_0_1"]
+    ids = [c["id"] for c in assistant["tool_calls"]]
+    assert ids == [t["tool_call_id"] for t in tools] == ["call_0_0", "call_0_1"]
     assert json.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {"expression": "17 * 23"}
     assert [t["content"] for t in tools] == ["391", words.result.output]
 

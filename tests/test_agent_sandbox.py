@@ -96,7 +96,8 @@ def test_a_fork_bomb_is_contained(sandbox):
     # counted: forks past RLIMIT_NPROC fail, so fewer than `nproc` processes ever exist
     counted = sandbox.run_python(
         "import os, time\nn = 0\nfor _ in range(200):\n    try:\n        if os.fork() == 0:\n"
-        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+        "    except OSError:\n        break\n"
         "print(n)")
     assert counted.ok, counted.detail
     assert 0 < int(counted.output) < LIMITS.nproc
@@ -149,7 +150,8 @@ def test_the_hosts_processes_and_their_environments_are_out_of_reach(sandbox):
             f"for path in ['/proc/1/environ', '/proc/{host_pid}/environ', '/proc/2/environ']:\n"
             "    try:\n        out[path] = open(path).read()\n"
             "    except OSError as e:\n        out[path] = type(e).__name__\n"
-            "out['pids'] = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\nprint(json.dumps(out))")
+            "out['pids'] = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+            "print(json.dumps(out))")
     result = sandbox.run_python(code)
     assert result.ok, result.detail
     out = json.loads(result.output)

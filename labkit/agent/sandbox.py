@@ -62,7 +62,7 @@ class ErrorKind(str, Enum):
     MEMORY = "memory"                # RLIMIT_AS refused an allocation
     OUTPUT_LIMIT = "output_limit"    # stdout + stderr past Limits.output_bytes, or a file past file_bytes
     CRASHED = "crashed"              # a non-zero exit or another signal
-    REFUSED = "refused"              # not on the allow-list (tools.ToolRegistry), or the sandbox failed to start
+    REFUSED = "refused"              # not on the allow-list (tools.ToolRegistry); the sandbox did not start
     BAD_ARGUMENTS = "bad_arguments"  # arguments not valid for the tool (tools.ToolRegistry, the tool itself)
 
 
@@ -205,8 +205,8 @@ class Sandbox:
             return ToolResult.failure(ErrorKind.OUTPUT_LIMIT, f"killed past {self.limits.output_bytes} "
                                       "bytes of output", out, **fields)
         if "setup_error" in status:
-            return ToolResult.failure(ErrorKind.REFUSED, f"the sandbox did not start: {status['setup_error']}",
-                                      out, **fields)
+            return ToolResult.failure(ErrorKind.REFUSED,
+                                      f"the sandbox did not start: {status['setup_error']}", out, **fields)
         sig = status.get("signal")
         if sig in (signal.SIGXCPU, signal.SIGKILL):  # nobody but RLIMIT_CPU kills it with these
             return ToolResult.failure(ErrorKind.CPU, f"killed at the CPU-time limit ({self.limits.cpu_s} s)",
