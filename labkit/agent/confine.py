@@ -1,6 +1,6 @@
 """The confinement a tool's process runs under (Linux), applied in the child before exec.
 
-This file runs as a script in a fresh interpreter (`python -I -S confine.py CONFIG`, started
+This file runs as a script in a fresh interpreter (`python -I -S confine.py CONFIG_FILE`, started
 by `sandbox.Sandbox` with an empty environment), so it uses the standard library only and
 its process starts single-threaded: nothing here runs in the server's own (threaded) process.
 
@@ -302,7 +302,8 @@ def namespaced(config: dict, ready_w: int, mapped_r: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    config = json.loads(argv[1])
+    with open(argv[1]) as f:  # a file outside the new root: the tool never sees its config
+        config = json.load(f)
     fd = config["status_fd"]
     os.set_inheritable(fd, False)  # forks keep it; the tool's exec does not
     ready_r, ready_w = os.pipe()

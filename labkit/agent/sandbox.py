@@ -177,9 +177,12 @@ class Sandbox:
                   "status_fd": status_w, "seccomp": self.seccomp, "tmp_bytes": limits.tmp_bytes,
                   "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "nproc": nproc,
                              "file_bytes": limits.file_bytes, "nofile": limits.nofile}}
+        config_file = workdir / "config.json"
+        config_file.touch(mode=0o600)
+        config_file.write_text(json.dumps(config))
         start = time.monotonic()
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(CONFINE_SCRIPT), json.dumps(config)],
+            proc = subprocess.Popen([sys.executable, "-I", "-S", str(CONFINE_SCRIPT), str(config_file)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env={}, pass_fds=(status_w,), start_new_session=True, cwd="/")
         finally:
