@@ -182,3 +182,20 @@ def test_the_tool_runs_without_privileges(sandbox):
     assert "unshare -1" in result.output  # no new namespaces from inside
     if "applied:" in sandbox.last_seccomp:
         assert status["Seccomp"].strip() == "2"
+
+
+def test_the_tool_inherits_no_descriptor_but_its_three(sandbox):
+    # the launcher's status pipe above all: the tool must not be able to write its own verdict
+    result = sandbox.run_python("import os; print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))")
+    assert result.ok, result.detail
+    fds = json.loads(result.output)
+    assert fds[:3] == [0, 1, 2] and len(fds) <= 4  # the fourth: the listing's own
+
+
+def test_a_sandbox_that_cannot_start_says_why(sandbox):
+    box = Sandbox(Limits(tmp_bytes=-1))  # tmpfs refuses the size: setup fails inside the namespace
+    result = box.run(["/bin/true"])
+    assert not result.ok and result.error is ErrorKind.REFUSED
+    assert "the sandbox did not start" in result.detail and "tmp" in result.detail
+    with pytest.raises(SandboxUnavailable, match="did not start"):
+        box.probe()
