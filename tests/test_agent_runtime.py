@@ -98,7 +98,7 @@ COPY_A_CALL = ("Repeat this line exactly, and nothing else:\n"
 
 @pytest.fixture(scope="module")
 def server():
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192") as live:
+    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192", "--log-level", "info") as live:
         yield live
 
 
@@ -120,6 +120,10 @@ def test_the_loop_over_http_resumes_from_the_cached_prefix(server):
     assert second.turn.cached_tokens > 0
     assert first.turn.prompt_tokens // 16 * 16 - 16 <= second.turn.cached_tokens < second.turn.prompt_tokens
     assert server.idle() or server.wait_until(server.idle, timeout=10) >= 0
+    # the server saw the trace id on both requests (X-Request-Id, its access log)
+    logged = [json.loads(line[line.index("{"):]) for line in server.lines if '"trace-live-1"' in line]
+    assert [(r["request_id"], r["response_id"]) for r in logged if r.get("route") == "chat"] == [
+        ("trace-live-1", first.turn.response_id), ("trace-live-1", second.turn.response_id)]
 
 
 @pytest.mark.slow
