@@ -70,6 +70,16 @@ def test_malformed_and_unknown_calls_are_answered_not_run():
     assert len(told) == 3 and all(m["content"].startswith("error (") for m in told)
 
 
+def test_calls_past_max_calls_in_one_turn_are_refused():
+    model = ScriptedModel(["".join(call("calculator", expression=f"{i} * 2") for i in range(5)), "done"])
+    trace = run_agent(model, default_registry(), [{"role": "user", "content": "go"}], max_calls=3)
+    assert [s.result.ok for s in trace.tool_steps()] == [True, True, True, False, False]
+    assert trace.tool_steps()[-1].result.error is ErrorKind.REFUSED
+    rows = trace.rows()
+    assert [r["kind"] for r in rows] == ["model"] + ["tool"] * 5 + ["model"]
+    assert rows[0]["calls"] == 5 and rows[-2]["error"] == "refused" and rows[1]["error"] is None
+
+
 def test_the_loop_stops_at_max_rounds():
     model = ScriptedModel([call("calculator", expression=f"{i} + 1") for i in range(5)])
     trace = run_agent(model, default_registry(), [{"role": "user", "content": "count"}], max_rounds=3)

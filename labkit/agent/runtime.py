@@ -73,6 +73,20 @@ class AgentTrace:
     def tool_steps(self) -> list[Step]:
         return [s for s in self.steps if s.kind == "tool"]
 
+    def rows(self) -> list[dict]:
+        """One flat record per step, for a table: where the loop's time and tokens went."""
+        rows = []
+        for s in self.steps:
+            row = {"trace_id": s.trace_id, "round": s.round, "kind": s.kind, "name": s.name,
+                   "started_s": s.started_s, "elapsed_s": s.elapsed_s}
+            if s.turn is not None:
+                row |= {"prompt_tokens": s.turn.prompt_tokens, "cached_tokens": s.turn.cached_tokens,
+                        "completion_tokens": s.turn.completion_tokens, "calls": len(s.turn.parsed.calls)}
+            if s.result is not None:
+                row |= {"ok": s.result.ok, "error": s.result.error.value if s.result.error else None}
+            rows.append(row)
+        return rows
+
 
 def assistant_message(turn: ModelTurn) -> dict:
     message = {"role": "assistant", "content": turn.reply}
@@ -82,7 +96,9 @@ def assistant_message(turn: ModelTurn) -> dict:
 
 
 def run_agent(model: ModelSide, registry: ToolRegistry, messages: list[dict], max_rounds: int = 4,
-              trace_id: str | None = None) -> AgentTrace:
+              trace_id: str | None = None, max_calls: int = 8) -> AgentTrace:
+    """At most `max_rounds` model turns; of one turn's calls the first `max_calls` run and the
+    rest are refused (a reply is not a way to start any number of processes)."""
     trace = AgentTrace(trace_id or uuid.uuid4().hex, list(messages))
     start = time.perf_counter()
     for round in range(max_rounds):
@@ -94,9 +110,10 @@ def run_agent(model: ModelSide, registry: ToolRegistry, messages: list[dict], ma
         if not turn.parsed.calls and not turn.parsed.problems:
             trace.answer, trace.stopped = turn.parsed.text, "answered"
             return trace
-        for call in turn.parsed.calls:
+        for index, call in enumerate(turn.parsed.calls):
             began = time.perf_counter()
-            result = registry.call(call.name, call.arguments)
+            result = (registry.call(call.name, call.arguments) if index < max_calls else
+                      ToolResult.failure(ErrorKind.REFUSED, f"more than {max_calls} calls in one turn"))
             trace.steps.append(Step(trace.trace_id, round, "tool", call.name, began - start,
                                     time.perf_counter() - began, call_id=call.id, arguments=call.arguments,
                                     result=result))
