@@ -199,3 +199,54 @@ def test_a_sandbox_that_cannot_start_says_why(sandbox):
     assert "the sandbox did not start" in result.detail and "tmp" in result.detail
     with pytest.raises(SandboxUnavailable, match="did not start"):
         box.probe()
+
+
+def world_usable(path: str) -> bool:
+    """Whether any user may run `path`: it and every directory above it open to others."""
+    real = Path(os.path.realpath(path))
+    return real.exists() and all(p.stat().st_mode & 0o001 for p in [real, *real.parents])
+
+
+UNPRIVILEGED_RUN = """
+import json, sys
+from labkit.agent.sandbox import Limits, Sandbox
+box = Sandbox(Limits(wall_s=20, cpu_s=2, nproc=16))
+box.probe()
+codes = {"whoami": "import os; print(os.getuid(), sorted(os.environ))",
+         "socket": "import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)",
+         "write": "open('/etc/x', 'w')", "allocation": "b = bytearray(4 << 30)"}
+results = {name: box.run_python(code) for name, code in codes.items()}
+print(json.dumps({name: [r.ok, r.output] for name, r in results.items()}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="this test drops from root to nobody; as another user the "
+                    "whole file already tests the unprivileged path")
+def test_the_sandbox_works_unprivileged_too(sandbox):
+    """The launcher not root: the user namespace maps only the user's own uid, setgroups is
+    denied, and RLIMIT_NPROC counts the user's other processes (sandbox.py adds them)."""
+    import shutil
+    import subprocess
+
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if world_usable(p)), None)
+    if python is None or shutil.which("setpriv") is None:
+        pytest.skip("no interpreter every user may run, or no setpriv")
+    with tempfile.TemporaryDirectory() as where:  # not pytest's tmp_path: its parents are 0700
+        where = Path(where)
+        where.chmod(0o755)
+        if not world_usable(str(where)):
+            pytest.skip(f"{where} is closed to other users")
+        package = where / "labkit" / "agent"
+        package.mkdir(parents=True)
+        (where / "labkit" / "__init__.py").write_text("")
+        for name in ("__init__.py", "confine.py", "sandbox.py"):  # the sandbox needs no more of labkit
+            shutil.copy(Path(confine.__file__).with_name(name), package / name)
+        for path in [where, *where.rglob("*")]:
+            path.chmod(0o755)
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
+                               "-c", f"import sys; sys.path.insert(0, {str(where)!r})\n" + UNPRIVILEGED_RUN],
+                              capture_output=True, text=True, env={}, cwd=where, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = json.loads(done.stdout)
+    assert outcomes["whoami"] == [True, "0 ['HOME', 'LANG', 'PATH', 'TMPDIR']\n"]
+    assert [outcomes[name][0] for name in ("socket", "write", "allocation")] == [False, False, False]
