@@ -86,6 +86,19 @@ def test_a_write_outside_scratch_is_refused(sandbox, tmp_path):
     assert not (tmp_path / "evil").exists() and not Path("/evil").exists()
 
 
+def test_the_hosts_files_outside_the_binds_are_not_there(sandbox):
+    host_files = [__file__, "/etc/passwd", "/etc/hostname", os.path.expanduser("~/.bashrc")]
+    readable = [p for p in host_files if os.path.exists(p)]
+    assert readable and all(os.access(p, os.R_OK) for p in readable)  # the test itself can read them
+    code = ("import json\nout = {}\n"
+            f"for path in {readable!r}:\n"
+            "    try:\n        open(path).read(); out[path] = 'read'\n"
+            "    except OSError as e:\n        out[path] = type(e).__name__\nprint(json.dumps(out))")
+    result = sandbox.run_python(code)
+    assert result.ok, result.detail
+    assert set(json.loads(result.output).values()) == {"FileNotFoundError"}
+
+
 def test_the_scratch_directory_is_removed(sandbox):
     before = set(Path(tempfile.gettempdir()).glob("labkit-sandbox-*"))
     assert sandbox.run_python("open('kept.txt', 'w').write('x' * 1000)").ok
