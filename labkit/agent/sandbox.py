@@ -185,6 +185,9 @@ class Sandbox:
             proc = subprocess.Popen([sys.executable, "-I", "-S", str(CONFINE_SCRIPT), str(config_file)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env={}, pass_fds=(status_w,), start_new_session=True, cwd="/")
+        except BaseException:
+            os.close(status_r)
+            raise
         finally:
             os.close(status_w)
         feeder = threading.Thread(target=feed, args=(proc.stdin, stdin), daemon=True)
@@ -196,7 +199,10 @@ class Sandbox:
     def classify(self, ending: Ending, elapsed: float) -> ToolResult:
         status = {}
         for line in ending.status.decode(errors="replace").splitlines():
-            status.update(json.loads(line))
+            try:  # each line is one write under PIPE_BUF: whole, unless the launcher was killed in it
+                status.update(json.loads(line))
+            except json.JSONDecodeError:
+                continue
         self.last_seccomp = status.get("seccomp", "")
         out = ending.stdout.decode(errors="replace")
         err = ending.stderr.decode(errors="replace")
