@@ -10,6 +10,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from live_server import LiveServer
 
 from labkit.agent.runtime import ScriptedModel, run_agent
@@ -98,6 +100,20 @@ def test_parse_reply(reply, names, problems):
     parsed = parse_reply(reply)
     assert [c.name for c in parsed.calls] == names and len(parsed.problems) == problems
     assert "<tool_call>" not in parsed.text
+
+
+PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "{", "}", '"name"', '"arguments"', ":", ",", '"a"',
+                          "[", "]", "1", "null", " ", "\n", "text"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(PIECES, st.text(max_size=5)), max_size=30).map("".join))
+def test_parse_reply_never_raises_and_never_passes_a_broken_call(reply):
+    parsed = parse_reply(reply)
+    for found in parsed.calls:
+        assert isinstance(found.name, str) and isinstance(found.arguments, dict)
+    # a reply with a block has a call or a problem: nothing is silently dropped
+    assert (len(parsed.calls) + len(parsed.problems) > 0) == ("<tool_call>" in reply)
 
 
 # What this 135M model does reliably at temperature 0: copy a line it is asked to copy. The
