@@ -68,10 +68,12 @@ def _streamed(client, model: str, messages: list[dict], max_tokens: int, salt: s
 
 def play(url: str, model: str, system: str, *, conversations: int, turns: int, max_tokens: int = 16,
          api_key: str = "unused") -> list[PlayedTurn]:
-    """Play the workload against the server at `url` (loopback) and return every turn."""
+    """Play the workload against the server at `url` (loopback) and return every turn. One
+    short request goes first, untimed, so that no turn pays the server's one-off costs."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=300)
+    _streamed(client, model, [{"role": "user", "content": "Hello."}], 2, f"warm-up-{uuid.uuid4().hex}")
     scope = f"workload-{uuid.uuid4().hex[:8]}"   # one scope for the warm sends of this run
     histories = [[{"role": "system", "content": system}] for _ in range(conversations)]
     played = []
