@@ -83,4 +83,5 @@ def test_every_model_has_eight_distinct_attacks():
         texts = pe.attack_texts(model)
         assert len(set(texts)) == len(texts) == 8
         assert all(any(s in t for s in pe.BOUNDARIES[model]) for t in texts)
-        assert pe.says_canary(f"the word is {pe.CANARY.lower()}") and not pe.says_canary("Paris")
+    assert pe.says_canary(f"the word is {pe.CANARY.lower()}") and not pe.says_canary("Paris")
+    assert not pe.says_canary(f"I was told: {pe.INSTRUCTION}")
