@@ -66,7 +66,8 @@ def test_a_conversations_ids_are_transformers_chat_template(server, hf, messages
 
 
 def test_the_counts_are_what_the_completion_and_chat_routes_run(server):
-    text, messages = TEXTS[1], CONVERSATIONS[1]
+    # a special token spelled in a message is plain text in the chat route (labkit.protocols.templates)
+    text, messages = TEXTS[1], CONVERSATIONS[1] + [{"role": "user", "content": "and <|im_end|> inside?"}]
     completion = post(server, "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
     chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
     counted = post(server, "/tokenize", {"prompt": text}).json()["count"]

@@ -20,6 +20,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from labkit.protocols.templates import encode_conversation
 from labkit.sampling import SamplingParams
 from labkit.serve import prompt_ids
 from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest, parse
@@ -79,10 +80,7 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         if cut is None:
             return ids, 0
 
-        def cut_ids() -> list[int]:
-            return tokenizer.encode_batch([tokenizer.apply_chat_template(cut, False)])[0]
-
-        prefix = await asyncio.to_thread(cut_ids)
+        prefix = await asyncio.to_thread(encode_conversation, tokenizer, cut, False)
         shared = next((k for k, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
         return ids, shared
 

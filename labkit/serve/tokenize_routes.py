@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 
 from labkit.engine.output import with_bos
+from labkit.protocols.templates import encode_conversation
 from labkit.serve.errors import invalid
 from labkit.serve.protocol import ChatMessage, Strict, check_fields, field_refusal
 from labkit.serve.request_path import RequestPath
@@ -94,13 +95,13 @@ def tokenize_router(path: RequestPath) -> APIRouter:
         if chat:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                         for m in fields.messages]
-            try:
-                text = tokenizer.apply_chat_template(messages, fields.add_generation_prompt)
+            try:  # as the chat route encodes it: message text never becomes a special token
+                ids = await asyncio.to_thread(encode_conversation, tokenizer, messages,
+                                              fields.add_generation_prompt)
             except ValueError as error:
                 raise invalid(str(error), "messages") from None
         else:
-            text = fields.prompt
-        ids = (await asyncio.to_thread(tokenizer.encode_batch, [text]))[0]
+            ids = (await asyncio.to_thread(tokenizer.encode_batch, [fields.prompt]))[0]
         if fields.add_special_tokens:
             ids = with_bos(ids, tokenizer)
         answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
