@@ -42,9 +42,10 @@ def server():
         yield live
 
 
-def cheap(body):
+def cheap(body, path: str = "/completions"):
     """The generated body, made to name the served model and to cost at most a few tokens;
-    values the server would refuse anyway (0, -1, "5") are left as they are."""
+    values the server would refuse anyway (0, -1, "5") are left as they are. Only OpenAI's
+    routes get a token limit added (the others take no such field, or require it)."""
     if not isinstance(body, dict):
         return body
     body = dict(body, model=MODEL)
@@ -52,6 +53,8 @@ def cheap(body):
                        ("best_of", MAX_N)):
         if type(body.get(field)) is int and body[field] > cap:
             body[field] = cap
+    if not path.endswith("/completions"):
+        return body
     if "prompt" in body and body.get("max_tokens") is None:
         body["max_tokens"] = MAX_TOKENS  # completions' default is 16
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
@@ -66,7 +69,7 @@ def fuzz_operation(operation, base_url: str, check_streams: bool = True) -> dict
     @FUZZ_SETTINGS
     @given(case=operation.as_strategy())
     def run(case):
-        case.body = cheap(case.body)
+        case.body = cheap(case.body, operation.path)
         response = case.call(base_url=base_url, timeout=120)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         streamed = any(value.startswith("text/event-stream") for value in response.headers.get("content-type", []))
@@ -87,7 +90,15 @@ def test_openais_document_finds_no_5xx_and_no_answer_outside_it(server, path):
 
 
 LABKIT_OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                     ("GET", "/v1/models/{name}"), ("GET", "/health"), ("GET", "/metrics")]
+                     ("GET", "/v1/models/{name}"), ("GET", "/health"), ("GET", "/metrics"),
+                     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages"),
+                     ("POST", "/v1/messages/count_tokens")]
+
+
+def test_every_route_of_labkits_document_is_fuzzed(server):
+    document = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    documented = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
+    assert documented == set(LABKIT_OPERATIONS)
 
 
 @pytest.mark.parametrize("method, path", LABKIT_OPERATIONS)
@@ -126,19 +137,25 @@ hostile_values = st.one_of(
 )
 BASES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0},
          "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                  "max_tokens": 2, "temperature": 0}}
+                                  "max_tokens": 2, "temperature": 0},
+         "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                          "temperature": 0},
+         "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+         "/tokenize": {"model": MODEL, "prompt": "Hi"},
+         "/detokenize": {"model": MODEL, "tokens": [1, 2]}}
 # Every field a hostile value may replace, but the token counts: a valid large count costs a
 # long generation (the overlong numbers above reach them through the whole-body cases).
 FIELDS = ["model", "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
           "top_logprobs", "presence_penalty", "frequency_penalty", "user", "cache_salt", "ignore_eos",
           "deadline_ms", "stream", "stream_options", "metadata", "logit_bias", "store", "response_format",
-          "echo", "best_of", "suffix", "tools", "service_tier", "no_such_field", "\ud800"]
+          "echo", "best_of", "suffix", "tools", "service_tier", "no_such_field", "\ud800", "system",
+          "stop_sequences", "cache_control", "tokens", "add_special_tokens", "add_generation_prompt"]
 
 
 def body_with(path: str, field: str, raw_value: str) -> str:
     """The route's plain request with one field set to raw JSON text (or a message's content)."""
     base = dict(BASES[path])
-    if field == "messages" and path.endswith("chat/completions"):
+    if field == "messages" and "messages" in base:
         return json_text(base).replace('"content": "Hi"', f'"content": {raw_value}', 1)
     base.pop(field, None)
     return json_text(base)[:-1] + f", {json_text(field)}: {raw_value}}}"
@@ -152,11 +169,18 @@ hostile_bodies = st.one_of(
                                    "true", "null", "[4]"]).map(lambda raw: ("field", f, raw))),
 )
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-          ("GET", "/v1/models/" + MODEL), ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/embeddings")]
+          ("GET", "/v1/models/" + MODEL), ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/embeddings"),
+          ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages"),
+          ("POST", "/v1/messages/count_tokens")]
 
 
-def assert_one_error_shape(answer: httpx.Response) -> None:
+def assert_one_error_shape(answer: httpx.Response, path: str = "") -> None:
+    """The route's protocol's one shape: Anthropic's on its routes, OpenAI's elsewhere."""
     body = answer.json()
+    if path.startswith("/v1/messages"):
+        assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}, body
+        assert body["type"] == "error" and body["error"]["message"], body
+        return
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["message"] and body["error"]["code"], body
 
@@ -172,6 +196,6 @@ def test_hostile_bodies_get_no_5xx_and_every_refusal_has_the_one_shape(server, m
                                headers={"Content-Type": "application/json"}, timeout=120)
         assert answer.status_code < 500, (answer.status_code, answer.text[:300], text[:300])
         if answer.status_code >= 400:
-            assert_one_error_shape(answer)
+            assert_one_error_shape(answer, path)
 
     run()
