@@ -24,6 +24,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from labkit.engine.llm_engine import RequestOutput, TokenEvent
+from labkit.serve.errors import APIError
 from labkit.serve.responses_protocol import ResponsesRequest
 
 
@@ -158,3 +160,45 @@ class EventSequence:
 
 def sse_event(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def usage_of_output(output: RequestOutput) -> dict:
+    return usage_of(len(output.prompt_token_ids), sum(len(s.token_ids) for s in output.samples),
+                    output.cached_prompt_tokens)
+
+
+def whole_response(response_id: str, created_at: int, echo: Echo, output: RequestOutput) -> dict:
+    """The answer to a request without `stream`: its one sample as the assistant's message."""
+    sample = output.samples[0]
+    status, reason = status_of(sample.finish_reason)
+    item = message_item(new_message_id(), sample.text, status)
+    return response_body(response_id, created_at, echo, status, [item], usage_of_output(output), reason)
+
+
+@dataclass
+class ResponsesStreamWriter:
+    """The frames of a streamed response (`labkit.serve.calls.StreamWriter`): each token's
+    final text becomes one `response.output_text.delta`."""
+
+    sequence: EventSequence
+    sent: list[str] = field(default_factory=list)
+
+    def opening(self) -> list[str]:
+        return [sse_event(e) for e in self.sequence.opening()]
+
+    def event(self, index: int, event: TokenEvent) -> list[str]:
+        if not event.text:
+            return []
+        self.sent.append(event.text)
+        return [sse_event(self.sequence.text_delta(event.text))]
+
+    def closing(self, outputs: list[RequestOutput]) -> list[str]:
+        sample = outputs[0].samples[0]
+        return [sse_event(e) for e in self.sequence.closing(sample.text, sample.finish_reason,
+                                                             usage_of_output(outputs[0]))]
+
+    def failure(self, error: APIError) -> list[str]:
+        return [sse_event(e) for e in self.sequence.failure(error.code, error.message, "".join(self.sent))]
+
+    def ending(self) -> list[str]:
+        return []  # no [DONE]: a Responses stream ends with its last event
