@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   OpenAI (labkit.serve.openai_routes)
     GET  /v1/models, /v1/models/{id}                  OpenAI
+    POST /v1/responses                                OpenAI's Responses API (labkit.serve.responses_routes)
     GET  /health, /metrics
 
 A route is an adapter: it parses its protocol's request, turns it into one `EngineWork`,
@@ -24,6 +25,7 @@ from labkit.serve.errors import install_error_handlers, register_error_shape
 from labkit.serve.openai_routes import openai_router
 from labkit.serve.openapi_schema import install_openapi
 from labkit.serve.request_path import RequestPath
+from labkit.serve.responses_routes import responses_router
 from labkit.serve.settings import ServeSettings, cache_scope, tenant_of
 
 __all__ = ["ServeSettings", "build_app", "cache_scope", "tenant_of"]
@@ -51,4 +53,5 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         return Response(path.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_router(path))
+    app.include_router(responses_router(path))
     return app

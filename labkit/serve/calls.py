@@ -23,7 +23,7 @@ from labkit.engine.llm_engine import RequestOutput, TokenEvent
 from labkit.serve import responses
 from labkit.serve.access import RequestRecord, record_of
 from labkit.serve.engine_client import EngineFailure, ResultStream
-from labkit.serve.errors import APIError, invalid
+from labkit.serve.errors import APIError, ErrorShape, invalid
 from labkit.serve.metrics import FinishedRequest, ServiceMetrics
 
 log = logging.getLogger("labkit.serve")
@@ -220,11 +220,19 @@ class Call:
             for task in pending:
                 task.cancel()
 
+    def events(self, keepalive_s: float | None = None):
+        """(choice index, event) as they arrive, None after each silent `keepalive_s` stretch:
+        for an adapter that writes its own protocol's stream (labkit.serve.anthropic_wire)."""
+        return self._events(keepalive_s)
+
     async def _collect(self) -> None:
         async for _ in self._events():
             pass
 
-    async def answer(self, request: Request, *, chat: bool) -> JSONResponse:
+    async def answer(self, request: Request, *, chat: bool = False, render=None,
+                     shape: ErrorShape | None = None) -> JSONResponse:
+        """The whole answer: OpenAI's chat or completion body, or `render(outputs)` for
+        another protocol, whose errors are then in `shape` (labkit.serve.errors)."""
         self.attach(request)
         work = asyncio.ensure_future(self._collect())
         gone = asyncio.ensure_future(until_disconnected(request))
@@ -242,11 +250,13 @@ class Call:
         except (EngineFailure, ValueError) as error:
             self.abort_all()
             self.finish(outcome_of(error), error)
-            return failure_error(error).response()
+            return failure_error(error).response(shape)
         self.marks["collected"] = time.perf_counter()
         outputs = [s.output for s in self.streams]
         tokens = self.tokens if self.logprobs else None
-        if chat:
+        if render is not None:
+            body = render(outputs)
+        elif chat:
             body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
         else:
             body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
