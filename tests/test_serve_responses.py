@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 
+from labkit.serve.responses_protocol import RESPONSES_NO_OPS
 from live_server import LiveServer
 
 MODEL = "smollm2-135m"
@@ -158,6 +159,20 @@ def test_max_output_tokens_ends_the_answer_as_incomplete_with_the_reason(server,
     assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[-2]["item"]["status"] == "incomplete"
     schema_check("Response", last["response"])
+
+
+NO_OPS = [(name, value) for name, (taken, _) in RESPONSES_NO_OPS.items() for value in taken] + [
+    ("text", {"format": {"type": "text"}, "verbosity": "medium"}), ("metadata", {"team": "search"}),
+    ("user", "user-1234"), ("tool_choice", None), ("store", None)]
+
+
+def test_each_value_that_asks_for_nothing_gives_the_answer_without_it(server):
+    base = {"model": MODEL, "input": "Count: 1, 2, 3,", "max_output_tokens": 4, "temperature": 0}
+    plain = post(server, base | unshared()).json()["output"][0]["content"][0]["text"]
+    for name, value in NO_OPS:
+        answer = post(server, base | unshared() | {name: value})
+        assert answer.status_code == 200, (name, value, answer.text)
+        assert answer.json()["output"][0]["content"][0]["text"] == plain, (name, value)
 
 
 # -- refusals ---------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from labkit.serve.errors import APIError
-from labkit.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
-                                             messages_of, parse_request)
+from labkit.serve.responses_protocol import (RESPONSES_NO_OPS, FunctionCallItem, FunctionCallOutputItem,
+                                             MessageItem, ResponsesRequest, messages_of, parse_request)
 from labkit.serve.responses_wire import (Echo, EventSequence, message_item, response_body, sse_event,
                                          status_of, usage_of)
 
@@ -130,6 +130,45 @@ def test_values_that_ask_for_nothing_are_taken(field, value):
 def test_bad_requests_get_400_naming_the_field(body, code, param):
     error = refusal(body)
     assert (error.status, error.code, error.param) == (400, code, param), error.message
+
+
+def resolve(schema: dict) -> dict:
+    while "$ref" in schema:
+        schema = DOCUMENT["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def documented_defaults() -> dict:
+    """CreateResponse's fields that have a `default:` (on an `anyOf` branch: OpenAPI 3.1's
+    spelling of a nullable field), and the default."""
+    def properties(schema: dict) -> dict:
+        schema = resolve(schema)
+        found = {}
+        for part in schema.get("allOf", []):
+            found |= properties(part)
+        return found | schema.get("properties", {})
+
+    defaults = {}
+    for name, field in properties(DOCUMENT["components"]["schemas"]["CreateResponse"]).items():
+        for schema in (field, resolve(field), *map(resolve, resolve(field).get("anyOf", []))):
+            if "default" in schema:
+                defaults[name] = schema["default"]
+    return defaults
+
+
+# OpenAI stores responses by default; this server stores nothing, and says so (README)
+DEVIATIONS = {"store": True}
+
+
+def test_every_documented_default_is_taken_but_the_stored_response():
+    defaults = documented_defaults()
+    assert {"temperature", "top_p", "background", "store", "stream", "truncation"} <= set(defaults)
+    for name, value in defaults.items():
+        if DEVIATIONS.get(name, object()) == value:
+            assert refusal({"model": MODEL, "input": "Hi", name: value}).code == "unsupported_parameter"
+            continue
+        parse_request({"model": MODEL, "input": "Hi", name: value})
+        assert name in ResponsesRequest.model_fields or name in RESPONSES_NO_OPS, name
 
 
 # -- answers ----------------------------------------------------------------------------------
