@@ -4,6 +4,7 @@
     GET  /v1/models, /v1/models/{id}                  OpenAI
     POST /v1/messages, /v1/messages/count_tokens      Anthropic (labkit.serve.anthropic_routes)
     POST /tokenize, /detokenize                       vLLM's (labkit.serve.tokenize_routes)
+    POST /v1/responses                                OpenAI's Responses API (labkit.serve.responses_routes)
     GET  /health, /metrics
 
 A route is an adapter: it parses its protocol's request, turns it into one `EngineWork`,
@@ -27,6 +28,7 @@ from labkit.serve.errors import install_error_handlers, register_error_shape
 from labkit.serve.openai_routes import openai_router
 from labkit.serve.openapi_schema import install_openapi
 from labkit.serve.request_path import RequestPath
+from labkit.serve.responses_routes import responses_router
 from labkit.serve.settings import ServeSettings, cache_scope, tenant_of
 from labkit.serve.tokenize_routes import tokenize_router
 
@@ -57,4 +59,5 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
     app.include_router(openai_router(path))
     app.include_router(tokenize_router(path))
     app.include_router(anthropic_router(path))
+    app.include_router(responses_router(path))
     return app

@@ -2,7 +2,9 @@
 
 A `Call` merges the events of its engine requests in arrival order, feeds admission control
 (first token, end), records latencies, and aborts whatever is unfinished when the client
-goes away or the stream ends for any reason.
+goes away or the stream ends for any reason. The wire format is the caller's: OpenAI's
+completion and chat shapes are built in (`answer`, `stream`); another protocol may hand
+`stream_as` its `StreamWriter`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from labkit.engine.llm_engine import RequestOutput, TokenEvent
 from labkit.serve import responses
 from labkit.serve.access import RequestRecord, record_of
 from labkit.serve.engine_client import EngineFailure, ResultStream
@@ -60,6 +64,16 @@ def failure_error(error: BaseException) -> APIError:
     if isinstance(error, EngineFailure) and error.client_error:
         return APIError(400, str(error), error.code)
     return APIError(503, str(error), getattr(error, "code", "engine_failure"), retry_after=1.0)
+
+
+class StreamWriter(Protocol):
+    """One protocol's Server-Sent Events frames, each a whole frame (ending in a blank line)."""
+
+    def opening(self) -> list[str]: ...                             # before any token
+    def event(self, index: int, event: TokenEvent) -> list[str]: ...  # a choice's token or end
+    def closing(self, outputs: list[RequestOutput]) -> list[str]: ...  # after every choice ended
+    def failure(self, error: APIError) -> list[str]: ...            # the engine failed mid-stream
+    def ending(self) -> list[str]: ...                              # last of all, ended well or not
 
 
 @dataclass
@@ -256,6 +270,36 @@ class Call:
         self.attach(request)
         return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
+
+    def stream_as(self, request: Request, writer: StreamWriter) -> StreamingResponse:
+        """The answer as Server-Sent Events in `writer`'s frames."""
+        self.attach(request)
+        return StreamingResponse(self._frames(writer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
+
+    async def _frames(self, writer: StreamWriter):
+        outcome, failure = "cancelled", None
+        try:
+            for frame in writer.opening():
+                yield frame
+            async for item in self._events(self.keepalive_s):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                for frame in writer.event(*item):
+                    yield frame
+            for frame in writer.closing([s.output for s in self.streams]):
+                yield frame
+            outcome = "ok"
+        except (EngineFailure, ValueError) as error:
+            outcome, failure = outcome_of(error), error
+            for frame in writer.failure(failure_error(error)):
+                yield frame
+        finally:
+            self.abort_all()
+            self.finish(outcome, failure)
+        for frame in writer.ending():
+            yield frame
 
     def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
         logprobs = None

@@ -20,6 +20,8 @@ from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest
 from labkit.serve.anthropic_routes import COUNT_TOKENS_PATH, MESSAGES_PATH
 from labkit.serve.openai_fields import CHAT_NO_OPS, COMPLETION_NO_OPS
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest
+from labkit.serve.responses_openapi import ResponseObject, ResponseStreamEvent
+from labkit.serve.responses_protocol import RESPONSES_NO_OPS, ResponsesRequest
 from labkit.serve.tokenize_routes import (DETOKENIZE_PATH, TOKENIZE_PATH, DetokenizeRequest,
                                           DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
                                           TokenizeResponse)
@@ -187,7 +189,12 @@ ERRORS = {400: "a bad body or field, or what the engine cannot do", 401: "no key
                "(with Retry-After)"}
 
 ROUTES = {"/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse, COMPLETION_NO_OPS),
-          "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CHAT_NO_OPS)}
+          "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CHAT_NO_OPS),
+          "/v1/responses": (ResponsesRequest, ResponseObject, ResponseStreamEvent,
+                            {name: taken for name, (taken, _) in RESPONSES_NO_OPS.items()})}
+STREAMS = {"/v1/responses": "Server-Sent Events, each an `event:` line naming the event's type and a `data:` "
+                            "line with the event, the last `response.completed`, `response.incomplete` or "
+                            "`response.failed`"}
 
 
 # routes without a stream: (request models, one of which the body is; the answer's model)
@@ -240,8 +247,8 @@ def describe_post_routes(document: dict) -> dict:
                     "change nothing, are taken"} for name, values in no_ops.items()})
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
         operation["responses"] = {
-            "200": {"description": "The answer: one JSON object, or with `stream: true` Server-Sent Events, "
-                                   "each `data:` line one chunk, ending with `data: [DONE]`",
+            "200": {"description": "The answer: one JSON object, or with `stream: true` " + STREAMS.get(
+                        path, "Server-Sent Events, each `data:` line one chunk, ending with `data: [DONE]`"),
                     "content": {"application/json": {"schema": schema_of(whole, components, "serialization")},
                                 "text/event-stream": {"schema": event_schema(schema_of(chunk, components,
                                                                                        "serialization"), error)}}},
