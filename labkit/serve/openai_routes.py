@@ -81,9 +81,10 @@ def openai_router(path: RequestPath) -> APIRouter:
             n = fields.n or 1
             for ids in encoded:
                 path.check_size(ids, max_tokens, "prompt", n)
+            until = path.deadline(request, fields.deadline_ms, arrival)
             work = EngineWork("completions", f"cmpl-{uuid.uuid4().hex}", encoded,
                               sampling(fields, max_tokens, fields.logprobs), marks, n, fields.cache_salt,
-                              path.deadline(request, fields.deadline_ms, arrival), tenant_of(key), numbered=True)
+                              until, tenant_of(key), numbered=True)
             streams = path.start(work)
         call = path.call(work, streams, logprobs=fields.logprobs is not None, user=fields.user)
         if fields.stream:
@@ -116,11 +117,13 @@ def openai_router(path: RequestPath) -> APIRouter:
             n = fields.n or 1
             path.check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages", n)
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
-            work = EngineWork("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], sampling(fields, max_tokens, logprobs),
-                              marks, n, fields.cache_salt, path.deadline(request, fields.deadline_ms, arrival),
-                              tenant_of(key))
+            params = sampling(fields, max_tokens, logprobs)
+            until = path.deadline(request, fields.deadline_ms, arrival)
+            work = EngineWork("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, marks, n,
+                              fields.cache_salt, until, tenant_of(key))
             streams = path.start(work)
-        call = path.call(work, streams, logprobs=logprobs is not None, user=fields.user, metadata=fields.metadata)
+        call = path.call(work, streams, logprobs=logprobs is not None, user=fields.user,
+                         metadata=fields.metadata)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)
