@@ -54,7 +54,7 @@ def cheap(body, path: str = "/completions"):
                        ("best_of", MAX_N), ("max_output_tokens", MAX_TOKENS)):
         if type(body.get(field)) is int and body[field] > cap:
             body[field] = cap
-    if not path.endswith("/completions"):
+    if not path.endswith(("/completions", "/responses")):
         return body
     if "prompt" in body and body.get("max_tokens") is None:
         body["max_tokens"] = MAX_TOKENS  # completions' default is 16
