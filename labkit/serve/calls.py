@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -83,6 +83,7 @@ class Call:
     metadata: dict[str, str] | None = None  # chat's `metadata`: informational, like `user`
     record: RequestRecord | None = None     # its access-log line (labkit.serve.access)
     keepalive_s: float | None = 15.0        # a stream silent this long gets an SSE comment
+    echo: list[str] | None = None           # completions' `echo`: each prompt's text, put before its choices'
     _first: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its first token's arrival
     _last: dict[int, float] = field(default_factory=dict, init=False)    # choice -> its newest token's arrival
     _ended: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its output's arrival
@@ -235,7 +236,8 @@ class Call:
         if chat:
             body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
         else:
-            body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
+            body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n,
+                                             tokens, self.echo)
         answer = JSONResponse(body)  # X-Request-Id: labkit.serve.access
         self.marks["serialized"] = time.perf_counter()
         answer.headers["Server-Timing"] = self.server_timing()
@@ -248,6 +250,8 @@ class Call:
                                  headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
 
     def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
+        """The chunk that carries `event` (None if it carries nothing); `event.text` is what the
+        choice's text grows by."""
         logprobs = None
         if self.logprobs and event.token_id is not None:
             top = [event.top_logprobs or ()]
@@ -279,6 +283,8 @@ class Call:
                     yield KEEPALIVE
                     continue
                 index, event = item
+                if self.echo is not None and index not in lengths:  # the prompt opens the choice's text
+                    event = replace(event, text=self.echo[index // self.n] + event.text)
                 chunk = self._chunk(chat, index, event, lengths.get(index, 0))
                 lengths[index] = lengths.get(index, 0) + len(event.text)
                 if chunk is not None:
