@@ -199,16 +199,18 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
             top_k=fields.top_k or 0, min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed,
             stop=fields.stop_strings, presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs,
-            ignore_eos=bool(fields.ignore_eos))
+            ignore_eos=bool(fields.ignore_eos), logit_bias=fields.bias_pairs, stop_token_ids=fields.stop_ids)
 
     def check_size(prompt_ids: list[int], max_tokens: int, param: str, n: int,
-                   stop_token_ids: tuple[int, ...]) -> None:
+                   params: SamplingParams) -> None:
         if client.limits is None:
             raise APIError(503, "the engine is starting", "engine_unavailable",
                            retry_after=settings.retry_after_seconds)
-        refused = client.limits.refusal(len(prompt_ids), max_tokens, n=n, stop_token_ids=stop_token_ids)
+        refused = client.limits.refusal(len(prompt_ids), max_tokens, n=n,
+                                        stop_token_ids=params.stop_token_ids,
+                                        logit_bias_ids=tuple(t for t, _ in params.logit_bias))
         if refused is not None:
-            where = refused.param if refused.code == "too_many_samples" else param
+            where = refused.param if refused.code in ("too_many_samples", "unknown_token") else param
             raise APIError(400, str(refused), refused.code, where)
 
     def deadline(request: Request, fields: SamplingFields, arrival: float) -> float | None:
@@ -310,11 +312,15 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
                 encoded = await prompt_ids.completion_ids(prompts, tokenizer, vocab_size())
             except ValueError as error:
                 raise invalid(str(error), "prompt") from None
+            try:
+                echo = await prompt_ids.prompt_texts(prompts, tokenizer) if fields.echo else None
+            except ValueError as error:
+                raise invalid(str(error), "echo") from None
             marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-            for ids in encoded:
-                check_size(ids, max_tokens, "prompt", fields.n or 1, ())
             params = sampling(fields, max_tokens, fields.logprobs)
+            for ids in encoded:
+                check_size(ids, max_tokens, "prompt", fields.n or 1, params)
             until = deadline(request, fields, arrival)
             tenant = tenant_of(key)
             admit(encoded, max_tokens, until, tenant)
@@ -330,6 +336,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         call = Call("completions", response_id, int(time.time()), settings.model_name, streams, n,
                      fields.logprobs is not None, arrival, metrics, token_text, fields.user, marks,
                      admission.token, closed, keepalive_s=settings.sse_keepalive_seconds)
+        call.echo = echo
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=False, include_usage=usage)
@@ -359,10 +366,10 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
                 raise APIError(503, "the engine is starting", "engine_unavailable",
                                retry_after=settings.retry_after_seconds)
             max_tokens = limit if limit is not None else max(1, client.limits.max_model_len - len(ids))
-            check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages",
-                       fields.n or 1, ())
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
             params = sampling(fields, max_tokens, logprobs)
+            check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages",
+                       fields.n or 1, params)
             until = deadline(request, fields, arrival)
             tenant = tenant_of(key)
             admit([ids], max_tokens, until, tenant)
