@@ -72,7 +72,8 @@ def test_a_minus_100_bias_hands_the_greedy_step_to_the_runner_up(client, tokens)
     assert first not in banned.choices[0].logprobs.tokens
     assert banned.choices[0].text != plain.choices[0].text
     # the reported logprobs are the raw ones, before the bias: step 0's are the unbiased answer's
-    assert banned.choices[0].logprobs.top_logprobs[0] == pytest.approx(plain.choices[0].logprobs.top_logprobs[0])
+    unbiased = plain.choices[0].logprobs.top_logprobs[0]
+    assert banned.choices[0].logprobs.top_logprobs[0] == pytest.approx(unbiased)
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
                                          logit_bias=bias, stream=True)
     assert streamed_text(streamed) == banned.choices[0].text
@@ -93,7 +94,8 @@ def test_a_plus_100_bias_forces_its_token_on_both_routes(client, tokens):
                                           max_completion_tokens=4, temperature=0, logit_bias=bias)
     assert chat.choices[0].message.content == forced * 4
     chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                            max_completion_tokens=4, temperature=0, logit_bias=bias, stream=True)
+                                            max_completion_tokens=4, temperature=0, logit_bias=bias,
+                                            stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == forced * 4
 
 
@@ -165,12 +167,30 @@ def test_echo_of_token_ids_is_their_text(client, tokens):
 
 # -- stop strings in streams ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("stop", [[","], [" the", "\n\n"], ["France is", "capital of"]])
+STREAM_PROMPT = "Paris, the capital of France, is a city of art, of light, and of the river Seine. In Paris,"
+
+
+def spanning_stop(client) -> str:
+    """A stop string the greedy answer holds, which starts inside one token and ends in another."""
+    plain = client.completions.create(model=MODEL, prompt=STREAM_PROMPT, max_tokens=30, temperature=0,
+                                      logprobs=0)
+    spelled, text = plain.choices[0].logprobs.tokens, plain.choices[0].text
+    for k in range(2, len(spelled) - 1):
+        before, after = "".join(spelled[:k]), spelled[k]
+        stop = before[-2:] + after[:2]
+        if len(spelled[k - 1]) >= 2 and len(after) >= 2 and text.find(stop) == len(before) - 2:
+            return stop
+    raise AssertionError(f"no token boundary to put a stop string across in {spelled}")
+
+
+@pytest.mark.parametrize("stop", [[","], [" the", "\n\n"], ["France is", "capital of"], "spanning"])
 def test_a_stream_with_stop_strings_says_what_the_whole_answer_says(client, stop):
-    prompt = "Paris, the capital of France, is a city of art, of light, and of the river Seine. In Paris,"
+    prompt, spanning = STREAM_PROMPT, stop == "spanning"
+    if spanning:
+        stop = [spanning_stop(client)]
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop)
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                            stop=stop, stream=True))
     text = streamed_text(chunks)
     assert text == whole.choices[0].text
     assert not any(s in text for s in stop)  # nor was any part of a stop string sent and taken back
@@ -181,6 +201,8 @@ def test_a_stream_with_stop_strings_says_what_the_whole_answer_says(client, stop
     if whole.choices[0].finish_reason == "stop":
         rest = unstopped.choices[0].text[len(text):]
         assert any(rest.startswith(s) for s in stop)
+    if spanning:
+        assert whole.choices[0].finish_reason == "stop"
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -204,8 +226,8 @@ VOCAB = 49152  # SmolLM2's
     ({"stop_token_ids": ["2"]}, "stop_token_ids[0]", "invalid_type"),
 ])
 def test_a_bad_bias_or_stop_id_gets_a_400_naming_it(server, path, extra, param, code):
-    base = ({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
-    answer = post(server, path, {"model": MODEL, "max_tokens": 2} | base | extra)
+    asked = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": PROMPT}
+    answer = post(server, path, {"model": MODEL, "max_tokens": 2} | asked | extra)
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
@@ -213,8 +235,9 @@ def test_a_bad_bias_or_stop_id_gets_a_400_naming_it(server, path, extra, param, 
 
 
 def test_a_bias_at_the_vocabularys_last_id_is_taken(server):
+    last = VOCAB - 1
     answer = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
-                                              "logit_bias": {str(VOCAB - 1): -100}, "stop_token_ids": [VOCAB - 1]})
+                                              "logit_bias": {str(last): -100}, "stop_token_ids": [last]})
     assert answer.status_code == 200, answer.text
 
 
@@ -231,8 +254,8 @@ def test_echo_refusals(server, extra, param, code):
 
 
 def test_echo_is_completions_only_and_the_official_client_sees_the_refusal(server, client):
-    answer = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                   "max_tokens": 2, "echo": True})
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "echo": True}
+    answer = post(server, "/v1/chat/completions", chat)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "unknown_parameter"
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
