@@ -203,6 +203,14 @@ def test_a_stream_with_stop_strings_says_what_the_whole_answer_says(client, stop
         assert any(rest.startswith(s) for s in stop)
     if spanning:
         assert whole.choices[0].finish_reason == "stop"
+    # with logprobs, each streamed token's text_offset is the whole answer's, held-back text or not
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                      logprobs=1)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                            stop=stop, logprobs=1, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == whole.choices[0].logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.choices[0].logprobs.text_offset
 
 
 # -- refusals -------------------------------------------------------------------------------------

@@ -249,15 +249,17 @@ class Call:
         return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
 
-    def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
+    def _chunk(self, chat: bool, index: int, event, offset: int) -> dict | None:
         """The chunk that carries `event` (None if it carries nothing); `event.text` is what the
-        choice's text grows by."""
+        choice's text grows by, `offset` where the event's token begins in it (completions'
+        `text_offset`: the tokens' texts before it, as in a whole answer, whatever text a stop
+        string still holds back)."""
         logprobs = None
         if self.logprobs and event.token_id is not None:
             top = [event.top_logprobs or ()]
             logprobs = (responses.chat_logprobs(self.tokens, [event.token_id], [event.logprob], top) if chat else
                         responses.completion_logprobs(self.tokens, [event.token_id], [event.logprob], top,
-                                                      text_so_far))
+                                                      offset))
         if not event.text and not event.finished and logprobs is None:
             return None
         reason = event.finish_reason if event.finished else None
@@ -269,7 +271,8 @@ class Call:
 
     async def _sse(self, chat: bool, include_usage: bool):
         outcome, failure = "cancelled", None
-        lengths: dict[int, int] = {}
+        opened: set[int] = set()       # choices that sent an event
+        offsets: dict[int, int] = {}   # choice -> characters of its tokens' texts so far
         # with include_usage, every chunk but the last carries "usage": null (OpenAI's shape)
         usage = {"usage": None} if include_usage else {}
         try:
@@ -283,10 +286,12 @@ class Call:
                     yield KEEPALIVE
                     continue
                 index, event = item
-                if self.echo is not None and index not in lengths:  # the prompt opens the choice's text
+                if self.echo is not None and index not in opened:  # the prompt opens the choice's text
                     event = replace(event, text=self.echo[index // self.n] + event.text)
-                chunk = self._chunk(chat, index, event, lengths.get(index, 0))
-                lengths[index] = lengths.get(index, 0) + len(event.text)
+                opened.add(index)
+                chunk = self._chunk(chat, index, event, offsets.get(index, 0))
+                if self.logprobs and event.token_id is not None:
+                    offsets[index] = offsets.get(index, 0) + len(self.tokens.text(event.token_id))
                 if chunk is not None:
                     yield sse(chunk | usage)
             if include_usage:
