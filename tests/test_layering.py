@@ -21,11 +21,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("labkit.tokenizer", "labkit.protocols", "labkit.sampling", "labkit.models", "labkit.kernels",
      "labkit.eval", "labkit"),                                              # the model's parts
     ("labkit.engine",),                                                     # the engine
-    ("labkit.serve", "labkit.bench", "labkit.experiments", "labkit.sim"),   # what runs on it
+    ("labkit.serve", "labkit.bench", "labkit.experiments", "labkit.sim",
+     "labkit.agent"),                                                       # what runs on it
     ("labkit.book", "labkit.cli"),                                          # book support, CLI
 ]
 LAYER_NAMES = ["foundations", "tokenizer/sampling/models/kernels", "engine",
-               "serve/bench/experiments/sim", "book/cli"]
+               "serve/bench/experiments/sim/agent", "book/cli"]
 
 
 def layer_of(module: str) -> int:

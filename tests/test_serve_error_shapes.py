@@ -72,3 +72,15 @@ def test_the_key_comes_as_bearer_or_x_api_key(client, headers, status):
     assert answer.status_code == status, answer.text
     if status == 401:
         assert answer.json()["error"]["type"] == "authentication_error"
+
+
+def test_messages_while_the_engine_starts_is_anthropics_529_overloaded(client):
+    answer = client.post("/v1/messages", headers={"x-api-key": KEY}, json={
+        "model": "smollm2-135m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert answer.status_code == 529 and "retry-after" in answer.headers
+    assert answer.json()["error"]["type"] == "overloaded_error"
+
+
+def test_tokenize_while_the_engine_starts_is_503_in_openais_shape(client):
+    answer = client.post("/tokenize", headers={"x-api-key": KEY}, json={"prompt": "Hi"})
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_unavailable"

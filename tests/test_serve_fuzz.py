@@ -1,7 +1,7 @@
 """Fuzzing `labkit serve`: no client input gets a 5xx, and every 200 is what the documents say.
 
 One live server for the module. Schemathesis generates requests from OpenAI's OpenAPI document
-(vendored in tests/openai_openapi/, `createCompletion` and `createChatCompletion`) and from
+(vendored in tests/openai_openapi/, `createCompletion`, `createChatCompletion` and `createResponse`) and from
 labkit's own `/openapi.json`; Hypothesis builds hostile JSON bodies (unpaired surrogates, NUL,
 long strings, numbers beyond a float or int, deep nesting, huge arrays, wrong types) for every
 route. Each request names the served model and asks for at most 4 tokens and 2 samples, so it
@@ -28,7 +28,8 @@ from live_server import LiveServer
 MODEL = "smollm2-135m"
 EXAMPLES = int(os.environ.get("LABKIT_FUZZ_EXAMPLES", "50"))
 MAX_TOKENS, MAX_N = 4, 2
-OPENAI = json.loads((Path(__file__).parent / "openai_openapi" / "completions.json").read_text())
+OPENAI = {name: json.loads((Path(__file__).parent / "openai_openapi" / f"{name}.json").read_text())
+          for name in ("completions", "responses")}
 pytestmark = pytest.mark.slow
 
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -42,20 +43,25 @@ def server():
         yield live
 
 
-def cheap(body):
+def cheap(body, path: str = "/completions"):
     """The generated body, made to name the served model and to cost at most a few tokens;
-    values the server would refuse anyway (0, -1, "5") are left as they are."""
+    values the server would refuse anyway (0, -1, "5") are left as they are. Only OpenAI's
+    routes get a token limit added (the others take no such field, or require it)."""
     if not isinstance(body, dict):
         return body
     body = dict(body, model=MODEL)
     for field, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_N),
-                       ("best_of", MAX_N)):
+                       ("best_of", MAX_N), ("max_output_tokens", MAX_TOKENS)):
         if type(body.get(field)) is int and body[field] > cap:
             body[field] = cap
+    if not path.endswith("/completions"):
+        return body
     if "prompt" in body and body.get("max_tokens") is None:
         body["max_tokens"] = MAX_TOKENS  # completions' default is 16
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_TOKENS  # chat's default is the rest of the context
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_TOKENS  # the Responses API's default is the rest of the context
     return body
 
 
@@ -66,7 +72,7 @@ def fuzz_operation(operation, base_url: str, check_streams: bool = True) -> dict
     @FUZZ_SETTINGS
     @given(case=operation.as_strategy())
     def run(case):
-        case.body = cheap(case.body)
+        case.body = cheap(case.body, operation.path)
         response = case.call(base_url=base_url, timeout=120)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         streamed = any(value.startswith("text/event-stream") for value in response.headers.get("content-type", []))
@@ -78,16 +84,26 @@ def fuzz_operation(operation, base_url: str, check_streams: bool = True) -> dict
     return statuses
 
 
-@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
-def test_openais_document_finds_no_5xx_and_no_answer_outside_it(server, path):
-    schema = schemathesis.openapi.from_dict(OPENAI)
+@pytest.mark.parametrize("document, path", [("completions", "/completions"),
+                                            ("completions", "/chat/completions"),
+                                            ("responses", "/responses")])
+def test_openais_document_finds_no_5xx_and_no_answer_outside_it(server, document, path):
+    schema = schemathesis.openapi.from_dict(OPENAI[document])
     # OpenAI's document gives a stream's `schema` as one chunk, where OpenAPI 3.1 reads it as one
     # event ({"data": "...", ...}): its streams can only be checked for status
     fuzz_operation(schema[path]["POST"], server.url + "/v1", check_streams=False)
 
 
 LABKIT_OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                     ("GET", "/v1/models/{name}"), ("GET", "/health"), ("GET", "/metrics")]
+                     ("GET", "/v1/models/{name}"), ("GET", "/health"), ("GET", "/metrics"),
+                     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages"),
+                     ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses")]
+
+
+def test_every_route_of_labkits_document_is_fuzzed(server):
+    document = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    documented = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
+    assert documented == set(LABKIT_OPERATIONS)
 
 
 @pytest.mark.parametrize("method, path", LABKIT_OPERATIONS)
@@ -126,19 +142,29 @@ hostile_values = st.one_of(
 )
 BASES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0},
          "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                  "max_tokens": 2, "temperature": 0}}
+                                  "max_tokens": 2, "temperature": 0},
+         "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                          "temperature": 0},
+         "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+         "/tokenize": {"model": MODEL, "prompt": "Hi"},
+         "/detokenize": {"model": MODEL, "tokens": [1, 2]},
+         "/v1/responses": {"model": MODEL, "input": [{"role": "user", "content": "Hi"}],
+                           "max_output_tokens": 2, "temperature": 0}}
 # Every field a hostile value may replace, but the token counts: a valid large count costs a
 # long generation (the overlong numbers above reach them through the whole-body cases).
 FIELDS = ["model", "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
           "top_logprobs", "presence_penalty", "frequency_penalty", "user", "cache_salt", "ignore_eos",
           "deadline_ms", "stream", "stream_options", "metadata", "logit_bias", "store", "response_format",
-          "echo", "best_of", "suffix", "tools", "service_tier", "stop_token_ids", "no_such_field", "\ud800"]
+          "echo", "best_of", "suffix", "tools", "service_tier", "stop_token_ids", "no_such_field", "\ud800",
+          "system", "stop_sequences", "cache_control", "tokens", "add_special_tokens", "add_generation_prompt",
+          "input", "instructions", "text", "include", "previous_response_id", "conversation", "background",
+          "truncation"]
 
 
 def body_with(path: str, field: str, raw_value: str) -> str:
     """The route's plain request with one field set to raw JSON text (or a message's content)."""
     base = dict(BASES[path])
-    if field == "messages" and path.endswith("chat/completions"):
+    if (field == "messages" and "messages" in base) or (field, path) == ("input", "/v1/responses"):
         return json_text(base).replace('"content": "Hi"', f'"content": {raw_value}', 1)
     base.pop(field, None)
     return json_text(base)[:-1] + f", {json_text(field)}: {raw_value}}}"
@@ -147,16 +173,23 @@ def body_with(path: str, field: str, raw_value: str) -> str:
 hostile_bodies = st.one_of(
     st.tuples(st.sampled_from(FIELDS), hostile_values).map(lambda pair: ("field", *pair)),
     hostile_values.map(lambda raw: ("body", None, raw)),
-    st.sampled_from(["max_tokens", "max_completion_tokens", "n"]).flatmap(
+    st.sampled_from(["max_tokens", "max_completion_tokens", "n", "max_output_tokens"]).flatmap(
         lambda f: st.sampled_from(["1e999", "9" * 5000, "12345678901234567890123456789", "-1", '"4"', "4.0",
                                    "true", "null", "[4]"]).map(lambda raw: ("field", f, raw))),
 )
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-          ("GET", "/v1/models/" + MODEL), ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/embeddings")]
+          ("GET", "/v1/models/" + MODEL), ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/embeddings"),
+          ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages"),
+          ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses")]
 
 
-def assert_one_error_shape(answer: httpx.Response) -> None:
+def assert_one_error_shape(answer: httpx.Response, path: str = "") -> None:
+    """The route's protocol's one shape: Anthropic's on its routes, OpenAI's elsewhere."""
     body = answer.json()
+    if path.startswith("/v1/messages"):
+        assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}, body
+        assert body["type"] == "error" and body["error"]["message"], body
+        return
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["message"] and body["error"]["code"], body
 
@@ -172,6 +205,6 @@ def test_hostile_bodies_get_no_5xx_and_every_refusal_has_the_one_shape(server, m
                                headers={"Content-Type": "application/json"}, timeout=120)
         assert answer.status_code < 500, (answer.status_code, answer.text[:300], text[:300])
         if answer.status_code >= 400:
-            assert_one_error_shape(answer)
+            assert_one_error_shape(answer, path)
 
     run()

@@ -13,9 +13,12 @@ import pytest
 from labkit.serve.app import ServeSettings, build_app
 from labkit.serve.errors import APIError
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest, validate
+from labkit.serve.responses_protocol import parse_request
 
-POSTS = {"/v1/completions": ("CompletionRequest", CompletionRequest),
-         "/v1/chat/completions": ("ChatCompletionRequest", ChatCompletionRequest)}
+POSTS = {"/v1/completions": ("CompletionRequest", lambda body: validate(CompletionRequest, body)),
+         "/v1/chat/completions": ("ChatCompletionRequest",
+                                  lambda body: validate(ChatCompletionRequest, body)),
+         "/v1/responses": ("ResponsesRequest", parse_request)}
 ERROR_STATUSES = ("400", "401", "404", "413", "415", "429", "503")
 
 
@@ -73,7 +76,10 @@ GOOD = {"/v1/completions": {"model": "m", "prompt": ["a", "b"], "max_tokens": 4,
         "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": [{"type": "text",
                                                                                          "text": "hi"}]}],
                                  "max_completion_tokens": 3, "store": False, "metadata": {"team": "a"},
-                                 "response_format": {"type": "text"}}}
+                                 "response_format": {"type": "text"}},
+        "/v1/responses": {"model": "m", "input": [{"role": "user", "content": "hi"}],
+                          "instructions": "Be brief.", "max_output_tokens": 3, "store": False, "tools": [],
+                          "metadata": {"team": "a"}}}
 BAD = {"/v1/completions": [{"model": "m"}, {"model": "m", "prompt": "x", "max_tokens": "5"},
                            {"model": "m", "prompt": "x", "temprature": 1},
                            {"model": "m", "prompt": "x", "echo": 1},
@@ -85,19 +91,22 @@ BAD = {"/v1/completions": [{"model": "m"}, {"model": "m", "prompt": "x", "max_to
                                 {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                  "response_format": {"type": "json_object"}},
                                 {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                 "metadata": {"k": 1}}]}
+                                 "metadata": {"k": 1}}],
+       "/v1/responses": [{"model": "m"}, {"model": "m", "input": []},
+                         {"model": "m", "input": "x", "max_output_tokens": "5"},
+                         {"model": "m", "input": "x", "store": True}, {"model": "m", "input": "x", "n": 2}]}
 
 
 @pytest.mark.parametrize("path", POSTS)
 def test_the_request_schemas_take_what_the_routes_take_and_refuse_what_they_refuse(document, path):
-    name, model = POSTS[path]
+    name, parse = POSTS[path]
     check = validator(document, name)
     check.validate(GOOD[path])
-    validate(model, json.loads(json.dumps(GOOD[path])))  # the route takes it too
+    parse(json.loads(json.dumps(GOOD[path])))  # the route takes it too
     for bad in BAD[path]:
         assert not check.is_valid(bad), bad
         with pytest.raises(APIError):
-            validate(model, json.loads(json.dumps(bad)))
+            parse(json.loads(json.dumps(bad)))
 
 
 def test_the_answer_and_error_schemas_describe_what_is_sent(document):
@@ -107,3 +116,18 @@ def test_the_answer_and_error_schemas_describe_what_is_sent(document):
     validator(document, "CompletionResponse").validate(completion_chunk("cmpl-1", 0, "m", 0, "a", None))
     validator(document, "ChatCompletionChunk").validate(chat_chunk("c-1", 0, "m", 0, {"content": "a"}, "stop"))
     assert not validator(document, "ErrorResponse").is_valid({"detail": "FastAPI's own shape"})
+
+
+def test_the_responses_answer_and_event_schemas_describe_what_is_sent(document):
+    from labkit.serve.responses_wire import Echo, EventSequence, usage_of
+
+    sequence = EventSequence("resp_1", 0, Echo("m", user="u"))
+    events = sequence.opening() + [sequence.text_delta("a")]
+    events += sequence.closing("a", "length", usage_of(3, 1, 0))
+    events += sequence.failure("engine_died", "gone", "a")
+    for event in events:
+        validator(document, "ResponseStreamEvent").validate(event)
+    incomplete = events[-3]["response"]
+    assert incomplete["status"] == "incomplete" and incomplete["usage"]["total_tokens"] == 4
+    validator(document, "ResponseObject").validate(incomplete)
+    assert not validator(document, "ResponseObject").is_valid(dict(incomplete, usage=None))

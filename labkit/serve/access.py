@@ -37,7 +37,7 @@ from labkit.serve.errors import invalid
 access_log = logging.getLogger("labkit.serve.access")
 MAX_REQUEST_ID = 128
 QUIET_PATHS = ("/health", "/metrics")
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages"}
 CALL_GRACE_SECONDS = 10.0  # a response sent whose Call has not finished: log it anyway after this
 
 

@@ -1,4 +1,20 @@
-"""Anthropic's Messages API on the wire: its error shape (its answers come with its routes).
+"""Anthropic's Messages API on the wire: its answers, its stream's events and its errors.
+
+An answer is `{"id": "msg_...", "type": "message", "role": "assistant", "content": [{"type":
+"text", "text": ...}], "model", "stop_reason", "stop_sequence", "usage"}`. `stop_reason` is
+`end_turn` (the model ended its turn), `max_tokens`, or `stop_sequence` with the one that
+matched in `stop_sequence`. `usage` splits the prompt three ways, which add up to its length:
+`cache_read_input_tokens` came from the engine's prefix cache (what OpenAI's routes report as
+`cached_tokens`), `cache_creation_input_tokens` are the other tokens up to the last
+`cache_control` breakpoint (written to the cache now), `input_tokens` the rest.
+
+A stream is Server-Sent Events, each with an `event:` line naming it, in Anthropic's order:
+message_start, content_block_start, ping, content_block_delta (text_delta)...,
+content_block_stop, message_delta (stop_reason, stop_sequence, the cumulative usage),
+message_stop; `ping` also keeps a silent stream open. A failure after the stream started is
+one `error` event, and the stream ends. `message_start` counts the whole prompt as
+`input_tokens`: the engine tells the cache's share when the request ends, so the final split
+is the one in `message_delta` (Anthropic's counts there are cumulative; its clients take them).
 
 Errors are Anthropic's documented shape, `{"type": "error", "error": {"type", "message"}}`,
 with its status mapping (https://docs.claude.com/en/api/errors): 400 invalid_request_error
@@ -12,6 +28,12 @@ that drains) are sent as 529 overloaded_error; any other 503 (an engine failure)
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+
+from labkit.engine.llm_engine import RequestOutput, SampleOutput
+from labkit.serve.calls import Call, failure_error, outcome_of
+from labkit.serve.engine_client import EngineFailure
 from labkit.serve.errors import APIError
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -34,3 +56,81 @@ class AnthropicErrors:
 
 
 ANTHROPIC_ERRORS = AnthropicErrors()
+
+
+# -- answers -------------------------------------------------------------------------------
+
+def stop_reason(sample: SampleOutput, stops: Sequence[str], decode) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for an engine sample. The engine says "stop"
+    for an end-of-turn token and for a stop string alike; the stop string is the one that
+    starts where the sample's text was cut, in the text of all its tokens."""
+    if sample.finish_reason == "length":
+        return "max_tokens", None
+    if sample.finish_reason == "stop" and stops:
+        text, cut = decode(sample.token_ids), len(sample.text)
+        found = [(at, -len(s), s) for s in stops if (at := text.find(s, max(0, cut - len(s) + 1))) >= 0]
+        if found:
+            return "stop_sequence", min(found)[2]
+    return "end_turn", None
+
+
+def usage(output: RequestOutput | None, prompt_tokens: int, breakpoint_tokens: int) -> dict:
+    """The prompt split three ways (see the module's docstring), and the output tokens."""
+    cached = output.cached_prompt_tokens if output is not None else 0
+    created = max(0, breakpoint_tokens - cached)
+    generated = sum(len(s.token_ids) for s in output.samples) if output is not None else 0
+    return {"input_tokens": prompt_tokens - cached - created, "output_tokens": generated,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": cached}
+
+
+def message_body(message_id: str, model: str, output: RequestOutput, stops: Sequence[str], decode,
+                 breakpoint_tokens: int) -> dict:
+    sample = output.samples[0]
+    reason, sequence = stop_reason(sample, stops, decode)
+    return {"id": message_id, "type": "message", "role": "assistant",
+            "content": [{"type": "text", "text": sample.text}], "model": model,
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(output, len(output.prompt_token_ids), breakpoint_tokens)}
+
+
+# -- streams -------------------------------------------------------------------------------
+
+def frame(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+PING = frame("ping", {"type": "ping"})
+
+
+async def message_events(call: Call, prompt_tokens: int, stops: Sequence[str], decode,
+                         breakpoint_tokens: int):
+    """The stream of one message (one engine request, one sample), in Anthropic's events."""
+    outcome, failure = "cancelled", None
+    try:
+        start = {"id": call.response_id, "type": "message", "role": "assistant", "content": [],
+                 "model": call.model, "stop_reason": None, "stop_sequence": None,
+                 "usage": usage(None, prompt_tokens, 0)}
+        yield frame("message_start", {"type": "message_start", "message": start})
+        yield frame("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+        yield PING
+        async for item in call.events(call.keepalive_s):
+            if item is None:
+                yield PING
+            elif item[1].text:
+                yield frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "text_delta", "text": item[1].text}})
+        yield frame("content_block_stop", {"type": "content_block_stop", "index": 0})
+        output = call.streams[0].output
+        reason, sequence = stop_reason(output.samples[0], stops, decode)
+        yield frame("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                      "usage": usage(output, prompt_tokens, breakpoint_tokens)})
+        yield frame("message_stop", {"type": "message_stop"})
+        outcome = "ok"
+    except (EngineFailure, ValueError) as error:
+        outcome, failure = outcome_of(error), error
+        yield frame("error", ANTHROPIC_ERRORS.body(failure_error(error)))
+    finally:
+        call.abort_all()
+        call.finish(outcome, failure)

@@ -2,6 +2,9 @@
 
     POST /v1/completions, POST /v1/chat/completions   OpenAI (labkit.serve.openai_routes)
     GET  /v1/models, /v1/models/{id}                  OpenAI
+    POST /v1/messages, /v1/messages/count_tokens      Anthropic (labkit.serve.anthropic_routes)
+    POST /tokenize, /detokenize                       vLLM's (labkit.serve.tokenize_routes)
+    POST /v1/responses                                OpenAI's Responses API (labkit.serve.responses_routes)
     GET  /health, /metrics
 
 A route is an adapter: it parses its protocol's request, turns it into one `EngineWork`,
@@ -18,13 +21,16 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from labkit.serve.access import install_request_ids
+from labkit.serve.anthropic_routes import MESSAGES_PATH, anthropic_router
 from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS
 from labkit.serve.engine_client import EngineClient
 from labkit.serve.errors import install_error_handlers, register_error_shape
 from labkit.serve.openai_routes import openai_router
 from labkit.serve.openapi_schema import install_openapi
 from labkit.serve.request_path import RequestPath
+from labkit.serve.responses_routes import responses_router
 from labkit.serve.settings import ServeSettings, cache_scope, tenant_of
+from labkit.serve.tokenize_routes import tokenize_router
 
 __all__ = ["ServeSettings", "build_app", "cache_scope", "tenant_of"]
 
@@ -35,7 +41,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
     app.state.client, app.state.metrics, app.state.settings = client, path.metrics, settings
     app.state.admission, app.state.drain, app.state.request_path = path.admission, path.drain, path
     install_error_handlers(app)
-    register_error_shape(app, "/v1/messages", ANTHROPIC_ERRORS)  # Anthropic's routes answer in its shape
+    register_error_shape(app, MESSAGES_PATH, ANTHROPIC_ERRORS)  # Anthropic's routes answer in its shape
     install_request_ids(app, settings.log_prompts)
     install_openapi(app)
 
@@ -51,4 +57,7 @@ def build_app(client: EngineClient, tokenizer, settings: ServeSettings) -> FastA
         return Response(path.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_router(path))
+    app.include_router(tokenize_router(path))
+    app.include_router(anthropic_router(path))
+    app.include_router(responses_router(path))
     return app

@@ -2,7 +2,9 @@
 
 A `Call` merges the events of its engine requests in arrival order, feeds admission control
 (first token, end), records latencies, and aborts whatever is unfinished when the client
-goes away or the stream ends for any reason.
+goes away or the stream ends for any reason. The wire format is the caller's: OpenAI's
+completion and chat shapes are built in (`answer`, `stream`); another protocol may hand
+`stream_as` its `StreamWriter`.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from labkit.engine.llm_engine import RequestOutput, TokenEvent
 from labkit.serve import responses
 from labkit.serve.access import RequestRecord, record_of
 from labkit.serve.engine_client import EngineFailure, ResultStream
-from labkit.serve.errors import APIError, invalid
+from labkit.serve.errors import APIError, ErrorShape, invalid
 from labkit.serve.metrics import FinishedRequest, ServiceMetrics
 
 log = logging.getLogger("labkit.serve")
@@ -60,6 +64,16 @@ def failure_error(error: BaseException) -> APIError:
     if isinstance(error, EngineFailure) and error.client_error:
         return APIError(400, str(error), error.code)
     return APIError(503, str(error), getattr(error, "code", "engine_failure"), retry_after=1.0)
+
+
+class StreamWriter(Protocol):
+    """One protocol's Server-Sent Events frames, each a whole frame (ending in a blank line)."""
+
+    def opening(self) -> list[str]: ...                             # before any token
+    def event(self, index: int, event: TokenEvent) -> list[str]: ...  # a choice's token or end
+    def closing(self, outputs: list[RequestOutput]) -> list[str]: ...  # after every choice ended
+    def failure(self, error: APIError) -> list[str]: ...            # the engine failed mid-stream
+    def ending(self) -> list[str]: ...                              # last of all, ended well or not
 
 
 @dataclass
@@ -207,11 +221,19 @@ class Call:
             for task in pending:
                 task.cancel()
 
+    def events(self, keepalive_s: float | None = None):
+        """(choice index, event) as they arrive, None after each silent `keepalive_s` stretch:
+        for an adapter that writes its own protocol's stream (labkit.serve.anthropic_wire)."""
+        return self._events(keepalive_s)
+
     async def _collect(self) -> None:
         async for _ in self._events():
             pass
 
-    async def answer(self, request: Request, *, chat: bool) -> JSONResponse:
+    async def answer(self, request: Request, *, chat: bool = False, render=None,
+                     shape: ErrorShape | None = None) -> JSONResponse:
+        """The whole answer: OpenAI's chat or completion body, or `render(outputs)` for
+        another protocol, whose errors are then in `shape` (labkit.serve.errors)."""
         self.attach(request)
         work = asyncio.ensure_future(self._collect())
         gone = asyncio.ensure_future(until_disconnected(request))
@@ -229,11 +251,13 @@ class Call:
         except (EngineFailure, ValueError) as error:
             self.abort_all()
             self.finish(outcome_of(error), error)
-            return failure_error(error).response()
+            return failure_error(error).response(shape)
         self.marks["collected"] = time.perf_counter()
         outputs = [s.output for s in self.streams]
         tokens = self.tokens if self.logprobs else None
-        if chat:
+        if render is not None:
+            body = render(outputs)
+        elif chat:
             body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
         else:
             body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n,
@@ -248,6 +272,36 @@ class Call:
         self.attach(request)
         return StreamingResponse(self._sse(chat, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
+
+    def stream_as(self, request: Request, writer: StreamWriter) -> StreamingResponse:
+        """The answer as Server-Sent Events in `writer`'s frames."""
+        self.attach(request)
+        return StreamingResponse(self._frames(writer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # X-Request-Id: labkit.serve.access
+
+    async def _frames(self, writer: StreamWriter):
+        outcome, failure = "cancelled", None
+        try:
+            for frame in writer.opening():
+                yield frame
+            async for item in self._events(self.keepalive_s):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                for frame in writer.event(*item):
+                    yield frame
+            for frame in writer.closing([s.output for s in self.streams]):
+                yield frame
+            outcome = "ok"
+        except (EngineFailure, ValueError) as error:
+            outcome, failure = outcome_of(error), error
+            for frame in writer.failure(failure_error(error)):
+                yield frame
+        finally:
+            self.abort_all()
+            self.finish(outcome, failure)
+        for frame in writer.ending():
+            yield frame
 
     def _chunk(self, chat: bool, index: int, event, offset: int) -> dict | None:
         """The chunk that carries `event` (None if it carries nothing); `event.text` is what the

@@ -131,8 +131,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        answer = APIError(500, "the server failed on this request; it has been logged", "internal_error").response(
-            shape_for(request))
+        answer = APIError(500, "the server failed on this request; it has been logged",
+                          "internal_error").response(shape_for(request))
         request_id = request.scope.get("state", {}).get("request_id")  # labkit.serve.access; this
         if request_id is not None:                                     # handler runs outside it
             answer.headers["X-Request-Id"] = request_id

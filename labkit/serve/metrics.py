@@ -144,7 +144,7 @@ class ServiceMetrics:
         self.generation_tokens.labels(model_name)
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
-        for route in ("completions", "chat"):
+        for route in ("completions", "chat", "responses"):
             for outcome in OUTCOMES:
                 self.requests.labels(model_name, route, outcome)
 

@@ -132,11 +132,12 @@ def openai_router(path: RequestPath) -> APIRouter:
             params = sampling(fields, max_tokens, logprobs)
             size_param = "max_completion_tokens" if limit is not None else "messages"
             check_engine_limits(path, ids, params, size_param, n)
-            work = EngineWork("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params,
-                              marks, n, fields.cache_salt, path.deadline(request, fields.deadline_ms, arrival),
-                              tenant_of(key))
+            until = path.deadline(request, fields.deadline_ms, arrival)
+            work = EngineWork("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, marks, n,
+                              fields.cache_salt, until, tenant_of(key))
             streams = path.start(work)
-        call = path.call(work, streams, logprobs=logprobs is not None, user=fields.user, metadata=fields.metadata)
+        call = path.call(work, streams, logprobs=logprobs is not None, user=fields.user,
+                         metadata=fields.metadata)
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)

@@ -16,8 +16,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest
+from labkit.serve.anthropic_routes import COUNT_TOKENS_PATH, MESSAGES_PATH
 from labkit.serve.openai_fields import CHAT_NO_OPS, COMPLETION_NO_OPS
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest
+from labkit.serve.responses_openapi import ResponseObject, ResponseStreamEvent
+from labkit.serve.responses_protocol import RESPONSES_NO_OPS, ResponsesRequest
+from labkit.serve.tokenize_routes import (DETOKENIZE_PATH, TOKENIZE_PATH, DetokenizeRequest,
+                                          DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
+                                          TokenizeResponse)
 
 REF = "#/components/schemas/{model}"
 
@@ -132,6 +139,47 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicText(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class AnthropicMessage(BaseModel):
+    """A whole message of `/v1/messages` (labkit.serve.anthropic_wire)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[AnthropicText]
+    model: str
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"]
+    stop_sequence: Optional[str]
+    usage: AnthropicUsage
+
+
+class InputTokens(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape, on its routes (labkit.serve.anthropic_wire)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 # -- the routes ----------------------------------------------------------------------------
 
 ERRORS = {400: "a bad body or field, or what the engine cannot do", 401: "no key or a wrong key",
@@ -141,7 +189,31 @@ ERRORS = {400: "a bad body or field, or what the engine cannot do", 401: "no key
                "(with Retry-After)"}
 
 ROUTES = {"/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse, COMPLETION_NO_OPS),
-          "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CHAT_NO_OPS)}
+          "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CHAT_NO_OPS),
+          "/v1/responses": (ResponsesRequest, ResponseObject, ResponseStreamEvent,
+                            {name: taken for name, (taken, _) in RESPONSES_NO_OPS.items()})}
+STREAMS = {"/v1/responses": "Server-Sent Events, each an `event:` line naming the event's type and a `data:` "
+                            "line with the event, the last `response.completed`, `response.incomplete` or "
+                            "`response.failed`"}
+
+
+# routes without a stream: (request models, one of which the body is; the answer's model)
+PLAIN_ROUTES = {TOKENIZE_PATH: ((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
+                DETOKENIZE_PATH: ((DetokenizeRequest,), DetokenizeResponse)}
+PLAIN_ERRORS = {400: "a bad body or field, or a token id outside the vocabulary",
+                401: "no key or a wrong key",
+                404: "unknown model", 413: "body over --max-body-bytes", 415: "not application/json in UTF-8",
+                503: "the engine is starting: the context length and vocabulary are not known yet"}
+
+
+ANTHROPIC_ERRORS = {400: "invalid_request_error: a bad body or field, a block or field not supported yet, or "
+                         "what the engine cannot do", 401: "authentication_error: no key or a wrong key",
+                    404: "not_found_error: unknown model",
+                    413: "request_too_large: body over --max-body-bytes",
+                    429: "rate_limit_error: over --max-concurrent-per-key (with Retry-After)",
+                    500: "api_error: the engine failed the request",
+                    529: "overloaded_error: the queue is full, the engine is (re)starting or the server "
+                         "drains (with Retry-After)"}
 
 
 def schema_of(model: type[BaseModel], components: dict, mode: str) -> dict:
@@ -175,13 +247,23 @@ def describe_post_routes(document: dict) -> dict:
                     "change nothing, are taken"} for name, values in no_ops.items()})
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
         operation["responses"] = {
-            "200": {"description": "The answer: one JSON object, or with `stream: true` Server-Sent Events, "
-                                   "each `data:` line one chunk, ending with `data: [DONE]`",
+            "200": {"description": "The answer: one JSON object, or with `stream: true` " + STREAMS.get(
+                        path, "Server-Sent Events, each `data:` line one chunk, ending with `data: [DONE]`"),
                     "content": {"application/json": {"schema": schema_of(whole, components, "serialization")},
                                 "text/event-stream": {"schema": event_schema(schema_of(chunk, components,
                                                                                        "serialization"), error)}}},
             **{str(status): {"description": why, "content": {"application/json": {"schema": error}}}
                for status, why in ERRORS.items()}}
+    for path, (requests, answer) in PLAIN_ROUTES.items():
+        bodies = [schema_of(request, components, "validation") for request in requests]
+        document["paths"][path]["post"].update(
+            requestBody={"required": True, "content": {"application/json": {
+                "schema": bodies[0] if len(bodies) == 1 else {"anyOf": bodies}}}},
+            responses={"200": {"description": "The answer", "content": {"application/json": {
+                "schema": schema_of(answer, components, "serialization")}}},
+                **{str(status): {"description": why, "content": {"application/json": {"schema": error}}}
+                   for status, why in PLAIN_ERRORS.items()}})
+    describe_anthropic_routes(document, components)
     # Path and query parameters that fail validation get 400 in the one shape, not FastAPI's 422
     for item in document["paths"].values():
         for operation in item.values():
@@ -191,6 +273,27 @@ def describe_post_routes(document: dict) -> dict:
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
     return document
+
+
+def describe_anthropic_routes(document: dict, components: dict) -> None:
+    error = schema_of(AnthropicErrorResponse, components, "serialization")
+    errors = {str(status): {"description": why, "content": {"application/json": {"schema": error}}}
+              for status, why in ANTHROPIC_ERRORS.items()}
+    event = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"type": "object", "required": ["type"]}}}}
+    for path, request, answer in ((MESSAGES_PATH, MessagesRequest, AnthropicMessage),
+                                  (COUNT_TOKENS_PATH, CountTokensRequest, InputTokens)):
+        content = {"application/json": {"schema": schema_of(answer, components, "serialization")}}
+        if path == MESSAGES_PATH:
+            content["text/event-stream"] = {"schema": event}
+        document["paths"][path]["post"].update(
+            requestBody={"required": True, "content": {"application/json": {
+                "schema": schema_of(request, components, "validation")}}},
+            responses={"200": {"description": "The answer: one JSON object, or with `stream: true` "
+                                              "Anthropic's Server-Sent Events, each with its `event:` line",
+                               "content": content}, **errors})
 
 
 def install_openapi(app: FastAPI) -> None:

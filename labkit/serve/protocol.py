@@ -284,6 +284,17 @@ def check_bias_keys(bias: dict) -> None:
                            "unknown_token", "logit_bias")
 
 
+def field_refusal(error: ValidationError) -> APIError:
+    """A 400 naming the first bad field of a strict model's validation error."""
+    first = _most_telling(error.errors())
+    param = _param(first["loc"])
+    kind = first["type"]
+    code = ("missing_required_parameter" if kind == "missing" else
+            "invalid_type" if kind.endswith("_type") or kind.startswith("literal") else "invalid_value")
+    shown = "" if kind == "missing" else f" (got {_describe(first.get('input'))})"
+    return invalid(f"{param}: {first['msg']}{shown}", param, code)
+
+
 def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
     """The request model, or a 400 naming the first bad field."""
     body = check_fields(body, model, CHAT_NO_OPS if model is ChatCompletionRequest else COMPLETION_NO_OPS)
@@ -298,13 +309,7 @@ def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
     try:
         request = model.model_validate(body)
     except ValidationError as error:
-        first = _most_telling(error.errors())
-        param = _param(first["loc"])
-        kind = first["type"]
-        code = ("missing_required_parameter" if kind == "missing" else
-                "invalid_type" if kind.endswith("_type") or kind.startswith("literal") else "invalid_value")
-        shown = "" if kind == "missing" else f" (got {_describe(first.get('input'))})"
-        raise invalid(f"{param}: {first['msg']}{shown}", param, code) from None
+        raise field_refusal(error) from None
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:

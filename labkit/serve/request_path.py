@@ -24,7 +24,8 @@ from labkit.sampling import SamplingParams
 from labkit.serve import responses
 from labkit.serve.admission import AdmissionControl
 from labkit.serve.calls import Call
-from labkit.serve.engine_client import EngineClient, EngineFailure, EngineRequest, EngineUnavailable, ResultStream
+from labkit.serve.engine_client import (EngineClient, EngineFailure, EngineRequest, EngineUnavailable,
+                                        ResultStream)
 from labkit.serve.errors import APIError, invalid
 from labkit.serve.metrics import ServiceMetrics
 from labkit.serve.protocol import check_content_type, parse_json_body
@@ -65,7 +66,8 @@ class RequestPath:
         self.client, self.tokenizer, self.settings = client, tokenizer, settings
         self.metrics = ServiceMetrics(client, settings.model_name)
         self.token_text = responses.TokenText(tokenizer)
-        default_deadline = None if settings.default_deadline_ms is None else settings.default_deadline_ms / 1e3
+        deadline_ms = settings.default_deadline_ms
+        default_deadline = None if deadline_ms is None else deadline_ms / 1e3
         self.admission = AdmissionControl(settings.queue_policy, settings.queue_limit,
                                           settings.engine_concurrency, default_deadline)
         self.open_streams: dict[str, ResultStream] = {}
@@ -120,7 +122,8 @@ class RequestPath:
             if timeout is not None:
                 for request_id in self.admission.older_than(timeout):
                     self.end(request_id, EngineFailure(f"the request ran longer than this server's limit of "
-                                                       f"{timeout:g} s (--request-timeout)", code="request_timeout"))
+                                                       f"{timeout:g} s (--request-timeout)",
+                                                       code="request_timeout"))
 
     # -- checks, in the order a route makes them -------------------------------------------
     def refuse_while_draining(self) -> None:
@@ -142,8 +145,8 @@ class RequestPath:
         else:
             key = request.headers.get("x-api-key", "")
         if not key:
-            raise APIError(401, "an API key is needed: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
-                           "missing_api_key")
+            raise APIError(401, "an API key is needed: send Authorization: Bearer <key> "
+                                "(or X-Api-Key: <key>)", "missing_api_key")
         if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.settings.api_keys):
             raise APIError(401, "the API key is not valid", "invalid_api_key")
         return key
@@ -208,14 +211,17 @@ class RequestPath:
         return self.admission.deadline_of(arrival, None if given_ms is None else given_ms / 1e3)
 
     # -- admission and the engine ----------------------------------------------------------
-    def admit(self, prompts: list[list[int]], max_tokens: int, until: float | None, tenant: str | None) -> None:
+    def admit(self, prompts: list[list[int]], max_tokens: int, until: float | None,
+              tenant: str | None) -> None:
         limit, retry = self.settings.max_concurrent_per_key, self.settings.retry_after_seconds
         if limit is not None and self.open_per_key[tenant] + len(prompts) > limit:
             raise APIError(429, f"this API key has {self.open_per_key[tenant]} requests open; its limit is "
-                                f"{limit} (--max-concurrent-per-key)", "rate_limit_exceeded", retry_after=retry)
+                                f"{limit} (--max-concurrent-per-key)", "rate_limit_exceeded",
+                           retry_after=retry)
         refusal = self.admission.consider(sum(len(ids) for ids in prompts), max_tokens, until)
         if refusal is not None:
-            raise APIError(refusal.status, refusal.message, refusal.code, retry_after=max(1.0, refusal.retry_after))
+            raise APIError(refusal.status, refusal.message, refusal.code,
+                           retry_after=max(1.0, refusal.retry_after))
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams, n: int, salt: str | None,
                until: float | None, tenant: str | None) -> ResultStream:
@@ -256,7 +262,8 @@ class RequestPath:
         """The started work as a `Call`: its events, accounting and end (labkit.serve.calls)."""
         return Call(work.route, work.response_id, int(time.time()), self.settings.model_name, streams, work.n,
                     logprobs, work.marks["arrival"], self.metrics, self.token_text, user, work.marks,
-                    self.admission.token, self.closed, metadata, keepalive_s=self.settings.sse_keepalive_seconds)
+                    self.admission.token, self.closed, metadata,
+                    keepalive_s=self.settings.sse_keepalive_seconds)
 
     @contextmanager
     def refusals_counted(self, route: str):

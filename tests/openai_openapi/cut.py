@@ -1,10 +1,12 @@
-"""Cut OpenAI's OpenAPI document down to the two operations labkit serves.
+"""Cut OpenAI's OpenAPI document down to the operations labkit serves.
 
     git -C OPENAI_OPENAPI_REPO show HEAD:openapi.json > /tmp/openapi.json
     python tests/openai_openapi/cut.py /tmp/openapi.json > tests/openai_openapi/completions.json
+    python tests/openai_openapi/cut.py /tmp/openapi.json responses > tests/openai_openapi/responses.json
 
-Keeps `POST /completions` (createCompletion) and `POST /chat/completions`
-(createChatCompletion), every component (schema, response, security scheme) they reference,
+`completions` (the default) keeps `POST /completions` (createCompletion) and
+`POST /chat/completions` (createChatCompletion); `responses` keeps `POST /responses`
+(createResponse). Each keeps every component (schema, response, security scheme) they reference,
 transitively, and the document's own `openapi`, `info` and `security`. Each operation's
 `x-oaiMeta` (documentation examples, hundreds of lines, no part of the contract) is dropped;
 nothing else is changed.
@@ -15,7 +17,8 @@ from __future__ import annotations
 import json
 import sys
 
-OPERATIONS = {"/completions": "post", "/chat/completions": "post"}
+CUTS = {"completions": {"/completions": "post", "/chat/completions": "post"},
+        "responses": {"/responses": "post"}}
 DROPPED_OPERATION_KEYS = ("x-oaiMeta",)
 
 
@@ -33,9 +36,9 @@ def references(node) -> set[str]:
     return found
 
 
-def cut(full: dict) -> dict:
+def cut(full: dict, operations: dict[str, str] = CUTS["completions"]) -> dict:
     paths = {}
-    for path, method in OPERATIONS.items():
+    for path, method in operations.items():
         operation = {k: v for k, v in full["paths"][path][method].items() if k not in DROPPED_OPERATION_KEYS}
         paths[path] = {method: operation}
     components: dict[str, dict] = {}
@@ -61,6 +64,6 @@ def cut(full: dict) -> dict:
 
 if __name__ == "__main__":
     with open(sys.argv[1], encoding="utf-8") as source:
-        document = cut(json.load(source))
+        document = cut(json.load(source), CUTS[sys.argv[2] if len(sys.argv) > 2 else "completions"])
     json.dump(document, sys.stdout, indent=1, ensure_ascii=False)
     sys.stdout.write("\n")

@@ -1,0 +1,127 @@
+"""What an Anthropic Messages request may say, checked before any work (text only, for now).
+
+    POST /v1/messages               model, max_tokens, messages, system?, stop_sequences?,
+                                    temperature?, top_p?, top_k?, metadata.user_id?, stream?
+    POST /v1/messages/count_tokens  model, messages, system?
+
+`messages[i].content` is a string or a list of text blocks; `system` is a string or a list of
+text blocks; a text block may carry `cache_control: {"type": "ephemeral", "ttl"?: "5m"|"1h"}`
+(a cache breakpoint, see labkit/serve/README.md); a top-level `cache_control` puts one after
+the last block. The fields and blocks of Anthropic's API
+that this service does not implement yet (tools, images, documents, thinking, ...) get a 400
+that says so; a field Anthropic does not have either gets a 400 naming it; the models are
+strict, as the OpenAI routes' are (`labkit.serve.protocol`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, ValidationError
+
+from labkit.serve.errors import APIError, invalid
+from labkit.serve.protocol import Strict, field_refusal
+
+# Anthropic's request fields, and content block types, that this service does not implement yet
+NOT_YET_FIELDS = ("tools", "tool_choice", "thinking", "service_tier", "container", "mcp_servers",
+                  "context_management", "inference_geo", "output_config", "output_format", "speed",
+                  "diagnostics", "user_profile_id", "workspace_id")
+NOT_YET_BLOCKS = ("image", "document", "search_result", "tool_use", "tool_result", "server_tool_use",
+                  "web_search_tool_result", "thinking", "redacted_thinking", "container_upload")
+MAX_STOP_SEQUENCES = 16
+
+
+class CacheControl(Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, Annotated[list[TextBlock], Field(min_length=1)]]
+
+    @property
+    def text(self) -> str:
+        """The blocks' text joined as the chat route joins content parts (with newlines)."""
+        return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
+
+
+class Metadata(Strict):
+    user_id: Annotated[str, Field(max_length=256)] | None = None
+
+
+class CountTokensRequest(Strict):
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: Union[str, list[TextBlock], None] = None
+    cache_control: CacheControl | None = None   # a breakpoint after the last block (automatic caching)
+
+    @property
+    def system_text(self) -> str | None:
+        if self.system is None or isinstance(self.system, str):
+            return self.system
+        return "\n".join(b.text for b in self.system) if self.system else None  # []: no system prompt
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]],
+                              Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    metadata: Metadata | None = None
+    stream: bool | None = None
+
+
+def check_names(body: dict, allowed, where: str = "") -> None:
+    """400 for a field this service does not implement yet, or one Anthropic does not have."""
+    for key in body:
+        name = f"{where}{key}"
+        if key in allowed:
+            continue
+        if not where and key in NOT_YET_FIELDS:
+            raise APIError(400, f"{name} is not supported by this service yet", "unsupported_parameter", name)
+        raise APIError(400, f"unknown parameter {name}", "unknown_parameter", name)
+
+
+def check_blocks(blocks, where: str) -> None:
+    if not isinstance(blocks, list):
+        return
+    for j, block in enumerate(blocks):
+        if isinstance(block, dict):
+            kind = block.get("type")
+            if kind in NOT_YET_BLOCKS:
+                raise APIError(400, f"{where}[{j}]: {kind} blocks are not supported by this service yet "
+                                    "(text blocks only)", "unsupported_content", f"{where}[{j}].type")
+            check_names(block, TextBlock.model_fields, f"{where}[{j}].")
+            if isinstance(block.get("cache_control"), dict):
+                check_names(block["cache_control"], CacheControl.model_fields, f"{where}[{j}].cache_control.")
+
+
+def parse(model: type[CountTokensRequest], body: dict) -> CountTokensRequest:
+    """The request model, or a 400 in which the first wrong or unsupported field is named."""
+    check_names(body, model.model_fields)
+    check_blocks(body.get("system"), "system")
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(message, dict):
+            check_names(message, Message.model_fields, f"messages[{i}].")
+            check_blocks(message.get("content"), f"messages[{i}].content")
+    for name, fields in (("metadata", Metadata.model_fields), ("cache_control", CacheControl.model_fields)):
+        if isinstance(body.get(name), dict):
+            check_names(body[name], fields, f"{name}.")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise field_refusal(error) from None
+    if request.messages[-1].role != "user":
+        raise invalid("the last message must be a user message: continuing an assistant message (prefill) "
+                      "is not supported by this service yet", f"messages[{len(request.messages) - 1}].role")
+    return request

@@ -1,0 +1,131 @@
+"""Anthropic's Messages API over the shared request path (text only, for now).
+
+    POST /v1/messages               one message, whole (JSON) or streamed (Server-Sent Events)
+    POST /v1/messages/count_tokens  {"input_tokens": N}: the prompt /v1/messages would run
+
+The conversation (`system`, then `messages`) is rendered with the model's chat template and
+tokenized exactly as the chat route renders it (`labkit.serve.prompt_ids`), so the same
+conversation gets the same ids, and greedy decoding the same text. The request is checked,
+admitted and submitted by the `RequestPath` like any other; its answer, its events and its
+errors are Anthropic's (`labkit.serve.anthropic_wire`). The API key may come as `x-api-key`,
+as Anthropic's clients send it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from labkit.protocols.templates import encode_conversation
+from labkit.sampling import SamplingParams
+from labkit.serve import prompt_ids
+from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest, parse
+from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS, message_body, message_events
+from labkit.serve.errors import invalid
+from labkit.serve.request_path import EngineWork, RequestPath
+from labkit.serve.settings import tenant_of
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+def conversation(fields: CountTokensRequest) -> list[dict[str, str]]:
+    system = fields.system_text
+    return ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": m.role, "content": m.text} for m in fields.messages]
+
+
+def before_last_breakpoint(fields: CountTokensRequest) -> list[dict[str, str]] | None:
+    """The conversation cut after the last text block with `cache_control` (system blocks come
+    first, then the messages'), or None if no block has one; all of it with a top-level one."""
+    if fields.cache_control is not None:
+        return conversation(fields)
+    last = None
+    if isinstance(fields.system, list):
+        last = next((("system", j) for j in reversed(range(len(fields.system)))
+                     if fields.system[j].cache_control is not None), None)
+    for i, message in enumerate(fields.messages):
+        if isinstance(message.content, list):
+            marked = [j for j, block in enumerate(message.content) if block.cache_control is not None]
+            if marked:
+                last = (i, marked[-1])
+    if last is None:
+        return None
+    whole = conversation(fields)
+    if last[0] == "system":
+        return [{"role": "system", "content": "\n".join(b.text for b in fields.system[:last[1] + 1])}]
+    i, j = last
+    first = 1 if fields.system_text is not None else 0
+    blocks = fields.messages[i].content[:j + 1]
+    cut = {"role": fields.messages[i].role, "content": "\n".join(b.text for b in blocks)}
+    return whole[:first + i] + [cut]
+
+
+def anthropic_router(path: RequestPath) -> APIRouter:
+    router = APIRouter()
+    tokenizer = path.tokenizer
+
+    async def prompt_of(fields: CountTokensRequest) -> tuple[list[int], int]:
+        """The prompt's ids, and how many of them come before the last cache breakpoint (the
+        common prefix of the prompt and the conversation rendered up to the breakpoint)."""
+        try:
+            ids = await prompt_ids.chat_ids(conversation(fields), tokenizer, path.vocab_size)
+        except ValueError as error:
+            raise invalid(str(error), "messages") from None
+        cut = before_last_breakpoint(fields)
+        if cut is None:
+            return ids, 0
+
+        prefix = await asyncio.to_thread(encode_conversation, tokenizer, cut, False)
+        shared = next((k for k, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
+        return ids, shared
+
+    @router.post(MESSAGES_PATH)
+    async def messages(request: Request):
+        arrival = time.perf_counter()
+        marks = {"arrival": arrival}
+        with path.refusals_counted("messages"):
+            path.refuse_while_draining()
+            key = path.authenticate(request)
+            body = await path.read_body(request)
+            marks["read"] = time.perf_counter()
+            fields: MessagesRequest = parse(MessagesRequest, body)
+            marks["parsed"] = time.perf_counter()
+            path.check_model(fields.model)
+            ids, breakpoint_tokens = await prompt_of(fields)
+            marks["tokenized"] = time.perf_counter()
+            path.check_size(ids, fields.max_tokens, "max_tokens", 1)
+            params = SamplingParams(temperature=1.0 if fields.temperature is None else fields.temperature,
+                                    top_p=1.0 if fields.top_p is None else fields.top_p,
+                                    top_k=fields.top_k or 0, max_tokens=fields.max_tokens,
+                                    stop=tuple(fields.stop_sequences or ()))
+            work = EngineWork("messages", f"msg_{uuid.uuid4().hex}", [ids], params, marks,
+                              deadline=path.deadline(request, None, arrival), tenant=tenant_of(key))
+            streams = path.start(work)
+        user = fields.metadata.user_id if fields.metadata is not None else None
+        call = path.call(work, streams, user=user)
+        if fields.stream:
+            call.attach(request)
+            events = message_events(call, len(ids), params.stop, tokenizer.decode, breakpoint_tokens)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        def render(outputs) -> dict:
+            return message_body(work.response_id, path.settings.model_name, outputs[0], params.stop,
+                                tokenizer.decode, breakpoint_tokens)
+
+        return await call.answer(request, shape=ANTHROPIC_ERRORS, render=render)
+
+    @router.post(COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request):
+        path.authenticate(request)
+        fields: CountTokensRequest = parse(CountTokensRequest, await path.read_body(request))
+        path.check_model(fields.model)
+        ids, _ = await prompt_of(fields)
+        return {"input_tokens": len(ids)}
+
+    return router

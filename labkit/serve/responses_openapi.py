@@ -1,0 +1,119 @@
+"""What `/openapi.json` says `POST /v1/responses` answers: models of the dicts that
+`labkit.serve.responses_wire` builds. They only document the answers (what is sent is built
+there); `tests/test_serve_openapi.py` validates built answers against them, and
+`tests/test_serve_responses_wire.py` validates the same answers against OpenAI's own schemas.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OutputTextPart(Closed):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict]
+    logprobs: list[dict]
+
+
+class OutputMessage(Closed):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputTextPart]
+
+
+class InputTokensDetails(Closed):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(Closed):
+    reasoning_tokens: int
+
+
+class ResponseUsage(Closed):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Closed):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(Closed):
+    code: str
+    message: str
+
+
+class TextFormatText(Closed):
+    type: Literal["text"]
+
+
+class TextSettings(Closed):
+    format: TextFormatText
+
+
+class ResponseObject(Closed):
+    """A whole answer; also the `response` of the lifecycle events of a stream."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    completed_at: Optional[int]
+    background: Literal[False]
+    error: Optional[ResponseError]
+    incomplete_details: Optional[IncompleteDetails]
+    instructions: Optional[str]
+    max_output_tokens: Optional[int]
+    max_tool_calls: None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    reasoning: None
+    service_tier: Literal["default"]
+    store: Literal[False]
+    temperature: float
+    text: TextSettings
+    tool_choice: Literal["none", "auto"]
+    tools: list[dict]
+    top_logprobs: int
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: ResponseUsage = None   # absent until the answer ends
+    user: str = None              # absent unless the request gave one
+    metadata: dict[str, str]
+
+
+class ResponseStreamEvent(Closed):
+    """One event of a stream; which fields it has depends on its `type`."""
+
+    type: Literal["response.created", "response.in_progress", "response.output_item.added",
+                  "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                  "response.content_part.done", "response.output_item.done", "response.completed",
+                  "response.incomplete", "response.failed", "error"]
+    sequence_number: int
+    response: ResponseObject = None
+    output_index: int = None
+    content_index: int = None
+    item_id: str = None
+    item: OutputMessage = None
+    part: OutputTextPart = None
+    delta: str = None
+    text: str = None
+    logprobs: list[dict] = None
+    code: str = None
+    message: str = None
+    param: Optional[str] = None

@@ -1,0 +1,73 @@
+"""OpenAI's Responses API over the shared request path: `POST /v1/responses`.
+
+The request is parsed by `labkit.serve.responses_protocol` (a stateless server's subset), its
+`instructions` and input items become the chat route's conversation and go through the
+model's chat template exactly as a chat request's messages do, so a greedy answer here is the
+chat route's for the same conversation. The answer is a `response` object, or with `stream`
+the `response.*` events (`labkit.serve.responses_wire`); errors are OpenAI's one shape.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+
+from labkit.sampling import SamplingParams
+from labkit.serve import prompt_ids
+from labkit.serve.errors import invalid
+from labkit.serve.request_path import EngineWork, RequestPath
+from labkit.serve.responses_protocol import ResponsesRequest, messages_of, parse_request
+from labkit.serve.responses_wire import (Echo, EventSequence, ResponsesStreamWriter, new_response_id,
+                                         whole_response)
+from labkit.serve.settings import tenant_of
+
+RESPONSES_PATH = "/v1/responses"
+
+
+def sampling_of(fields: ResponsesRequest, max_tokens: int) -> SamplingParams:
+    """The request's sampling as the engine's parameters (unset fields: OpenAI's defaults)."""
+    return SamplingParams(temperature=1.0 if fields.temperature is None else fields.temperature,
+                          top_p=1.0 if fields.top_p is None else fields.top_p, top_k=fields.top_k or 0,
+                          min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed)
+
+
+def responses_router(path: RequestPath) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(RESPONSES_PATH)
+    async def create_response(request: Request):
+        arrival = time.perf_counter()
+        marks = {"arrival": arrival}
+        with path.refusals_counted("responses"):
+            path.refuse_while_draining()
+            key = path.authenticate(request)
+            body = await path.read_body(request)
+            marks["read"] = time.perf_counter()
+            parsed = parse_request(body)
+            fields = parsed.fields
+            marks["parsed"] = time.perf_counter()
+            path.check_model(fields.model)
+            messages = messages_of(parsed)
+            try:
+                ids = await prompt_ids.chat_ids(messages, path.tokenizer, path.vocab_size)
+            except ValueError as error:
+                raise invalid(str(error), "input") from None
+            marks["tokenized"] = time.perf_counter()
+            limit = fields.max_output_tokens
+            max_model_len = path.max_model_len()  # the rest of the context is not known before
+            max_tokens = limit if limit is not None else max(1, max_model_len - len(ids))
+            path.check_size(ids, max_tokens, "max_output_tokens" if limit is not None else "input", 1)
+            work = EngineWork("responses", new_response_id(), [ids], sampling_of(fields, max_tokens), marks,
+                              1, fields.cache_salt, path.deadline(request, fields.deadline_ms, arrival),
+                              tenant_of(key))
+            streams = path.start(work)
+        call = path.call(work, streams, user=fields.user, metadata=fields.metadata)
+        echo = Echo.of(fields, path.settings.model_name, body.get("tool_choice"))
+        if fields.stream:
+            sequence = EventSequence(work.response_id, call.created, echo)
+            return call.stream_as(request, ResponsesStreamWriter(sequence))
+        return await call.answer(
+            request, render=lambda outputs: whole_response(work.response_id, call.created, echo, outputs[0]))
+
+    return router
