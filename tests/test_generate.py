@@ -57,6 +57,17 @@ def test_stop_string_spanning_tokens_cuts_the_text(model):
     assert cut.text == free.text[:free.text.index(stop)]
 
 
+def test_streamed_pieces_never_hold_a_stop_string_that_spans_tokens(model):
+    """What a stream sends cannot be taken back: the pieces of a sample cut by a stop string
+    that spans tokens add up to the cut text, not to the text before its last token."""
+    free = generate(model, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12))
+    stop = free.text[3:9]
+    pieces = []
+    cut = generate(model, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)),
+                   on_text=pieces.append)
+    assert "".join(pieces) == cut.text == free.text[:free.text.index(stop)]
+
+
 def test_streamed_pieces_concatenate_to_the_text(model):
     pieces = []
     result = generate(model, "Emoji: 🎉🚀 and 東京", SamplingParams(temperature=0.0, max_tokens=16),

@@ -33,6 +33,9 @@ ROUTES = {  # OpenAI's schema, labkit's model and no-ops, the request every fiel
 INFORMATIONAL = {"/v1/completions": [("user", "user-1234")],
                  "/v1/chat/completions": [("user", "user-1234"), ("metadata", {}),
                                           ("metadata", {"team": "search", "k" * 64: "v" * 512})]}
+# fields labkit implements, at the values that ask for nothing
+EMPTY = {"/v1/completions": [("logit_bias", {}), ("stop_token_ids", []), ("echo", False)],
+         "/v1/chat/completions": [("logit_bias", {}), ("stop_token_ids", [])]}
 
 
 def resolve(schema: dict) -> dict:
@@ -77,7 +80,7 @@ def cases() -> list[tuple[str, str, object]]:
             except KeyError:
                 pass
         out += [(path, field, value) for field, values in no_ops.items() for value in values]
-        out += [(path, field, value) for field, value in INFORMATIONAL[path]]
+        out += [(path, field, value) for field, value in INFORMATIONAL[path] + EMPTY[path]]
     unique = {(p, f, json.dumps(v, sort_keys=True)): (p, f, v) for p, f, v in out}
     return list(unique.values())
 

@@ -155,9 +155,10 @@ BASES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "t
 FIELDS = ["model", "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
           "top_logprobs", "presence_penalty", "frequency_penalty", "user", "cache_salt", "ignore_eos",
           "deadline_ms", "stream", "stream_options", "metadata", "logit_bias", "store", "response_format",
-          "echo", "best_of", "suffix", "tools", "service_tier", "no_such_field", "\ud800", "system",
-          "stop_sequences", "cache_control", "tokens", "add_special_tokens", "add_generation_prompt", "input",
-          "instructions", "text", "include", "previous_response_id", "conversation", "background", "truncation"]
+          "echo", "best_of", "suffix", "tools", "service_tier", "stop_token_ids", "no_such_field", "\ud800",
+          "system", "stop_sequences", "cache_control", "tokens", "add_special_tokens", "add_generation_prompt",
+          "input", "instructions", "text", "include", "previous_response_id", "conversation", "background",
+          "truncation"]
 
 
 def body_with(path: str, field: str, raw_value: str) -> str:

@@ -228,7 +228,7 @@ AWKWARD = [
      "body_too_large"),
     ("empty prompt", "/v1/completions", GOOD | {"prompt": ""}, {}, 400, "invalid_value"),
     ("misspelt option", "/v1/completions", GOOD | {"max_token": 5}, {}, 400, "unknown_parameter"),
-    ("unsupported option", "/v1/completions", GOOD | {"echo": True}, {}, 400, "unsupported_parameter"),
+    ("unsupported option", "/v1/completions", GOOD | {"suffix": "x"}, {}, 400, "unsupported_parameter"),
     ('"5" as max_tokens', "/v1/completions", GOOD | {"max_tokens": "5"}, {}, 400, "invalid_type"),
     ("5.0 as max_tokens", "/v1/completions", GOOD | {"max_tokens": 5.0}, {}, 400, "invalid_type"),
     ("true as max_tokens", "/v1/completions", GOOD | {"max_tokens": True}, {}, 400, "invalid_type"),

@@ -71,7 +71,8 @@ def test_each_post_route_describes_its_body_answers_and_errors(document, path):
 
 
 GOOD = {"/v1/completions": {"model": "m", "prompt": ["a", "b"], "max_tokens": 4, "temperature": 0,
-                            "stop": ["\n"], "echo": False, "logit_bias": {}},
+                            "stop": ["\n"], "echo": True, "logit_bias": {"5": -100, "0": 2.5},
+                            "stop_token_ids": [2]},
         "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": [{"type": "text",
                                                                                          "text": "hi"}]}],
                                  "max_completion_tokens": 3, "store": False, "metadata": {"team": "a"},
@@ -80,7 +81,10 @@ GOOD = {"/v1/completions": {"model": "m", "prompt": ["a", "b"], "max_tokens": 4,
                           "instructions": "Be brief.", "max_output_tokens": 3, "store": False, "tools": [],
                           "metadata": {"team": "a"}}}
 BAD = {"/v1/completions": [{"model": "m"}, {"model": "m", "prompt": "x", "max_tokens": "5"},
-                           {"model": "m", "prompt": "x", "temprature": 1}, {"model": "m", "prompt": "x", "echo": True},
+                           {"model": "m", "prompt": "x", "temprature": 1},
+                           {"model": "m", "prompt": "x", "echo": 1},
+                           {"model": "m", "prompt": "x", "logit_bias": {"x": 1}},
+                           {"model": "m", "prompt": "x", "logit_bias": {"1": -101}},
                            {"model": "m", "prompt": [1, -2]}],
        "/v1/chat/completions": [{"model": "m", "messages": []},
                                 {"model": "m", "messages": [{"role": "tool", "content": "x"}]},

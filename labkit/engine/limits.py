@@ -13,8 +13,8 @@ can do, and names the first thing it cannot:
   their window and a step's new tokens);
 - ``too_many_samples``: n samples are more than the engine runs at once (they decode
   together, forked from one prefill);
-- ``unknown_token``: a stop token id that this model's vocabulary does not have (it could
-  never match, so the field would be silently ignored).
+- ``unknown_token``: a stop token id, or a logit-bias token id, that this model's vocabulary
+  does not have (it could never match or apply, so the field would be silently ignored).
 
 The engine checks every request with it (`LLMEngine.check_request`); the HTTP service's
 front end, which has no engine in its process, gets the limits from its worker and checks
@@ -52,7 +52,7 @@ class EngineLimits:
     step_tokens: int | None = None   # most tokens of a sequence one step writes; None: all of them
 
     def refusal(self, prompt_tokens: int, max_tokens: int, *, n: int = 1,
-                stop_token_ids: tuple[int, ...] = ()) -> Refused | None:
+                stop_token_ids: tuple[int, ...] = (), logit_bias_ids: tuple[int, ...] = ()) -> Refused | None:
         """Why this engine cannot serve such a request, or None if it can."""
         total = prompt_tokens + max_tokens
         if total > self.max_model_len:
@@ -74,6 +74,11 @@ class EngineLimits:
             return Refused("unknown_token",
                            f"stop token ids {unknown} are outside the model's vocabulary of "
                            f"{self.vocab_size}", "stop_token_ids")
+        unknown = sorted({t for t in logit_bias_ids if not 0 <= t < self.vocab_size})
+        if unknown:
+            return Refused("unknown_token",
+                           f"logit_bias token ids {unknown[:10]}{' ...' if len(unknown) > 10 else ''} are "
+                           f"outside the model's vocabulary of {self.vocab_size}", "logit_bias")
         return None
 
     def blocks_for(self, total_tokens: int) -> int:
@@ -94,8 +99,9 @@ class EngineLimits:
         return low
 
     def check(self, prompt_tokens: int, max_tokens: int, *, n: int = 1,
-              stop_token_ids: tuple[int, ...] = ()) -> None:
+              stop_token_ids: tuple[int, ...] = (), logit_bias_ids: tuple[int, ...] = ()) -> None:
         """Raise `Refused` (a ValueError) if the request cannot be served."""
-        refused = self.refusal(prompt_tokens, max_tokens, n=n, stop_token_ids=stop_token_ids)
+        refused = self.refusal(prompt_tokens, max_tokens, n=n, stop_token_ids=stop_token_ids,
+                               logit_bias_ids=logit_bias_ids)
         if refused is not None:
             raise refused

@@ -186,14 +186,15 @@ class LLMEngine:
         """The prompt's token ids, if the engine can serve this request; else ValueError (an
         empty or out-of-vocabulary prompt, n < 1) or its subclass `limits.Refused` (what the
         engine cannot do: more tokens than the model's context or the KV pool, more samples
-        than it runs at once, a stop token the model does not have). Reads nothing that a
+        than it runs at once, a stop or logit-bias token the model does not have). Reads nothing that a
         step changes, so a front end may call it from its own thread before it sends the
         request to the engine."""
         params = params or SamplingParams(temperature=0.0)
         ids = encode_prompt(prompt, self.model.tokenizer, self.model.config.vocab_size)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        self.limits.check(len(ids), params.max_tokens, n=n, stop_token_ids=params.stop_token_ids)
+        self.limits.check(len(ids), params.max_tokens, n=n, stop_token_ids=params.stop_token_ids,
+                          logit_bias_ids=tuple(t for t, _ in params.logit_bias))
         return ids
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,

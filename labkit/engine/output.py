@@ -9,6 +9,12 @@ Both the simple loop (`labkit.engine.loop.generate`) and the serving engine
           -> a stop string in the decoded text (it may span tokens)?  cut there, finish "stop"
           -> max_tokens or the context's limit reached?  flush the held-back text, "length"
 
+Text is handed out (`Delta.text`, what a stream sends) only once no stop string can claim
+it: with stop strings, the last `len(longest stop) - 1` characters wait for the next token
+(vLLM's stop buffer), since a stop string that spans tokens is only seen whole when its last
+token comes, and a stream cannot take back what it sent. The deltas of a sample add up to
+its final `text`.
+
 `encode_prompt` is the one check of a prompt before either of them starts: text through the
 tokenizer (optionally its chat template), ids checked against the vocabulary, never empty.
 """
@@ -27,7 +33,7 @@ class Delta:
     """What one sampled token added to a sample's output."""
 
     token_id: int | None        # None: the sample finished on this token without keeping it
-    text: str                   # text that became final with this token
+    text: str                   # text released with this token: final, and no stop string can take it
     finish_reason: str | None   # "stop", "length", or None while the sample goes on
 
 
@@ -46,25 +52,34 @@ class OutputProcessor:
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.released = 0  # characters of `text` handed out in deltas
+        # characters held back: the start of a stop string may hide there
+        self.held = max((len(s) for s in params.stop), default=1) - 1
 
     def add(self, token: int) -> Delta:
         if self.finish_reason is not None:
             raise ValueError("this sample has already finished")
         if token in self.stop_ids:
-            return self._finish(Delta(None, "", "stop"))
+            return self._finish(Delta(None, self._release(len(self.text)), "stop"))
         self.token_ids.append(token)
         piece = self.detokenizer.add([token]) if self.detokenizer is not None else ""
         before = len(self.text)
         self.text += piece
         cut = stop_string_cut(self.text, self.params.stop, before) if self.params.stop else None
         if cut is not None:
-            piece, self.text = piece[:max(0, cut - before)], self.text[:cut]
-            return self._finish(Delta(token, piece, "stop"))
+            self.text = self.text[:cut]
+            return self._finish(Delta(token, self._release(cut), "stop"))
         if len(self.token_ids) >= self.max_new_tokens:
             tail = self.detokenizer.flush() if self.detokenizer is not None else ""
             self.text += tail
-            return self._finish(Delta(token, piece + tail, "length"))
-        return Delta(token, piece, None)
+            return self._finish(Delta(token, self._release(len(self.text)), "length"))
+        return Delta(token, self._release(len(self.text) - self.held), None)
+
+    def _release(self, upto: int) -> str:
+        """The text from what was handed out so far up to `upto`, now handed out too."""
+        upto = max(upto, self.released)
+        piece, self.released = self.text[self.released:upto], upto
+        return piece
 
     def _finish(self, delta: Delta) -> Delta:
         self.finish_reason = delta.finish_reason

@@ -35,8 +35,8 @@ class SampledToken:
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    """True when the token is the argmax of the raw logits: no penalty can move it."""
-    return (params.greedy and params.repetition_penalty == 1.0
+    """True when the token is the argmax of the raw logits: no bias or penalty can move it."""
+    return (params.greedy and not params.logit_bias and params.repetition_penalty == 1.0
             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
 
 

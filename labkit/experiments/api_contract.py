@@ -279,7 +279,8 @@ def build_catalogue(model: str, tokenizer, *, context_tokens: int, vocab_size: i
         # names
         ("misspelt option (max_tokns)", "names", _raw({"model": model, "prompt": "Hello", "max_tokns": 2}),
          error(400, "unknown_parameter")),
-        ("unsupported option (echo)", "names", _raw(good | {"echo": True}), error(400, "unsupported_parameter")),
+        ("unsupported option (suffix)", "names", _raw(good | {"suffix": "!"}),
+         error(400, "unsupported_parameter")),
         ("no prompt", "names", _raw({"model": model, "max_tokens": 4}), error(400, "missing_required_parameter")),
         ("no model", "names", _raw({"prompt": "Hello", "max_tokens": 4}), error(400, "missing_required_parameter")),
         ("unknown model", "names", _raw(good | {"model": "gpt-5"}), error(404, "model_not_found")),
@@ -337,7 +338,7 @@ LABKIT_POLICY = {
     "nested 10,000 deep": "valid JSON; RFC 8259 lets a parser limit the depth, and ours does",
     "oversized body (1 MiB)": "our own limit on a body (--max-body-bytes)",
     "top_p 0": "OpenAI's API accepts a top_p of 0; ours asks for 0 < top_p <= 1",
-    "unsupported option (echo)": "OpenAI's completions take echo; ours refuses it by name",
+    "unsupported option (suffix)": "OpenAI's completions take suffix; ours refuses it by name",
 }
 
 

@@ -353,7 +353,7 @@ def bad_requests() -> list[tuple[str, str, bytes, dict, int, str]]:
          "body_too_large"),
         ('"5" as max_tokens', "/v1/completions", j(_GOOD | {"max_tokens": "5"}), {}, 400, "invalid_type"),
         ("misspelt field", "/v1/completions", j(_GOOD | {"max_token": 5}), {}, 400, "unknown_parameter"),
-        ("unsupported field", "/v1/completions", j(_GOOD | {"logit_bias": {"1": 5}}), {}, 400,
+        ("unsupported field", "/v1/completions", j(_GOOD | {"suffix": "!"}), {}, 400,
          "unsupported_parameter"),
         ("empty prompt", "/v1/completions", j(_GOOD | {"prompt": ""}), {}, 400, "invalid_value"),
         ("token id outside the vocabulary", "/v1/completions", j(_GOOD | {"prompt": [10 ** 7]}), {}, 400,

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastapi import Request
@@ -97,6 +97,7 @@ class Call:
     metadata: dict[str, str] | None = None  # chat's `metadata`: informational, like `user`
     record: RequestRecord | None = None     # its access-log line (labkit.serve.access)
     keepalive_s: float | None = 15.0        # a stream silent this long gets an SSE comment
+    echo: list[str] | None = None           # completions' `echo`: each prompt's text, put before its choices'
     _first: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its first token's arrival
     _last: dict[int, float] = field(default_factory=dict, init=False)    # choice -> its newest token's arrival
     _ended: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its output's arrival
@@ -259,7 +260,8 @@ class Call:
         elif chat:
             body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
         else:
-            body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n, tokens)
+            body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n,
+                                             tokens, self.echo)
         answer = JSONResponse(body)  # X-Request-Id: labkit.serve.access
         self.marks["serialized"] = time.perf_counter()
         answer.headers["Server-Timing"] = self.server_timing()
@@ -301,13 +303,17 @@ class Call:
         for frame in writer.ending():
             yield frame
 
-    def _chunk(self, chat: bool, index: int, event, text_so_far: int) -> dict | None:
+    def _chunk(self, chat: bool, index: int, event, offset: int) -> dict | None:
+        """The chunk that carries `event` (None if it carries nothing); `event.text` is what the
+        choice's text grows by, `offset` where the event's token begins in it (completions'
+        `text_offset`: the tokens' texts before it, as in a whole answer, whatever text a stop
+        string still holds back)."""
         logprobs = None
         if self.logprobs and event.token_id is not None:
             top = [event.top_logprobs or ()]
             logprobs = (responses.chat_logprobs(self.tokens, [event.token_id], [event.logprob], top) if chat else
                         responses.completion_logprobs(self.tokens, [event.token_id], [event.logprob], top,
-                                                      text_so_far))
+                                                      offset))
         if not event.text and not event.finished and logprobs is None:
             return None
         reason = event.finish_reason if event.finished else None
@@ -319,7 +325,8 @@ class Call:
 
     async def _sse(self, chat: bool, include_usage: bool):
         outcome, failure = "cancelled", None
-        lengths: dict[int, int] = {}
+        opened: set[int] = set()       # choices that sent an event
+        offsets: dict[int, int] = {}   # choice -> characters of its tokens' texts so far
         # with include_usage, every chunk but the last carries "usage": null (OpenAI's shape)
         usage = {"usage": None} if include_usage else {}
         try:
@@ -333,8 +340,12 @@ class Call:
                     yield KEEPALIVE
                     continue
                 index, event = item
-                chunk = self._chunk(chat, index, event, lengths.get(index, 0))
-                lengths[index] = lengths.get(index, 0) + len(event.text)
+                if self.echo is not None and index not in opened:  # the prompt opens the choice's text
+                    event = replace(event, text=self.echo[index // self.n] + event.text)
+                opened.add(index)
+                chunk = self._chunk(chat, index, event, offsets.get(index, 0))
+                if self.logprobs and event.token_id is not None:
+                    offsets[index] = offsets.get(index, 0) + len(self.tokens.text(event.token_id))
                 if chunk is not None:
                     yield sse(chunk | usage)
             if include_usage:

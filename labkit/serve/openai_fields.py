@@ -20,8 +20,6 @@ ONLY_NULL = ()  # every value of the field asks for something this service does 
 
 COMPLETION_NO_OPS: dict[str, tuple] = {
     "best_of": (1,),             # default 1: one candidate for each returned choice
-    "echo": (False,),            # default false
-    "logit_bias": ({},),         # default null; an empty map biases no token
     "suffix": ("",),             # default null; an empty suffix puts nothing after the text
 }
 
@@ -29,7 +27,6 @@ CHAT_NO_OPS: dict[str, tuple] = {
     "audio": ONLY_NULL,
     "function_call": ("none",),            # "`none` is the default when no functions are present"
     "functions": ONLY_NULL,                # minItems 1: there is no empty list to send
-    "logit_bias": ({},),                   # default null; an empty map biases no token
     "modalities": (["text"],),             # "text, which is the default"
     "moderation": ONLY_NULL,
     "parallel_tool_calls": (True, False),  # default true; with no tools, neither value calls one

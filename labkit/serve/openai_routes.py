@@ -34,7 +34,15 @@ def sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None) -> S
         top_k=fields.top_k or 0, min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed,
         stop=fields.stop_strings, presence_penalty=fields.presence_penalty or 0.0,
         frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs,
-        ignore_eos=bool(fields.ignore_eos))
+        ignore_eos=bool(fields.ignore_eos), logit_bias=fields.bias_pairs, stop_token_ids=fields.stop_ids)
+
+
+def check_engine_limits(path: RequestPath, ids: list[int], params: SamplingParams, param: str,
+                        n: int) -> None:
+    """The engine's limits for one prompt (`param` names the field a size refusal is about),
+    with the token ids the request names for stopping and biasing."""
+    path.check_size(ids, params.max_tokens, param, n, params.stop_token_ids,
+                    tuple(token for token, _ in params.logit_bias))
 
 
 def openai_router(path: RequestPath) -> APIRouter:
@@ -76,17 +84,22 @@ def openai_router(path: RequestPath) -> APIRouter:
                 encoded = await prompt_ids.completion_ids(prompts, tokenizer, path.vocab_size)
             except ValueError as error:
                 raise invalid(str(error), "prompt") from None
+            try:  # echo: each prompt's text, put before its choices' texts
+                echo = await prompt_ids.prompt_texts(prompts, tokenizer) if fields.echo else None
+            except ValueError as error:
+                raise invalid(str(error), "echo") from None
             marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
             n = fields.n or 1
+            params = sampling(fields, max_tokens, fields.logprobs)
             for ids in encoded:
-                path.check_size(ids, max_tokens, "prompt", n)
+                check_engine_limits(path, ids, params, "prompt", n)
             until = path.deadline(request, fields.deadline_ms, arrival)
-            work = EngineWork("completions", f"cmpl-{uuid.uuid4().hex}", encoded,
-                              sampling(fields, max_tokens, fields.logprobs), marks, n, fields.cache_salt,
-                              until, tenant_of(key), numbered=True)
+            work = EngineWork("completions", f"cmpl-{uuid.uuid4().hex}", encoded, params, marks, n,
+                              fields.cache_salt, until, tenant_of(key), numbered=True)
             streams = path.start(work)
         call = path.call(work, streams, logprobs=fields.logprobs is not None, user=fields.user)
+        call.echo = echo
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=False, include_usage=usage)
@@ -115,9 +128,10 @@ def openai_router(path: RequestPath) -> APIRouter:
             max_model_len = path.max_model_len()  # the rest of the context is not known before
             max_tokens = limit if limit is not None else max(1, max_model_len - len(ids))
             n = fields.n or 1
-            path.check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages", n)
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
             params = sampling(fields, max_tokens, logprobs)
+            size_param = "max_completion_tokens" if limit is not None else "messages"
+            check_engine_limits(path, ids, params, size_param, n)
             until = path.deadline(request, fields.deadline_ms, arrival)
             work = EngineWork("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, marks, n,
                               fields.cache_salt, until, tenant_of(key))

@@ -29,6 +29,18 @@ async def completion_ids(prompts: Sequence[str | Sequence[int]], tokenizer,
             for p in prompts]
 
 
+async def prompt_texts(prompts: Sequence[str | Sequence[int]], tokenizer) -> list[str]:
+    """Each completion prompt as text, for `echo`: a string as given, token ids decoded (special
+    tokens kept, as vLLM echoes them), in one thread."""
+    if tokenizer is None and not all(isinstance(p, str) for p in prompts):
+        raise ValueError("echo needs the model's tokenizer to give token ids as text, and this model has none")
+
+    def texts() -> list[str]:
+        return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
+    return await asyncio.to_thread(texts)
+
+
 async def chat_ids(messages: Sequence[Mapping[str, str]], tokenizer, vocab_size: int | None) -> list[int]:
     """The conversation rendered with the model's chat template (the template writes any BOS
     itself) and encoded, in one thread. A special-token spelling in a message is encoded as

@@ -30,6 +30,12 @@ from labkit.serve.openai_fields import (CHAT_NO_OPS, COMPLETION_NO_OPS, MESSAGE_
 
 MAX_STOP_STRINGS = 4          # OpenAI's limit
 MAX_N = 16
+MAX_LOGIT_BIAS = 300          # entries: OpenAI's limit (refused above it)
+MAX_LOGIT_BIAS_VALUE = 100    # OpenAI's range: [-100, 100]
+MAX_STOP_TOKEN_IDS = 64       # labkit's cap on vLLM's `stop_token_ids` (vLLM has none)
+# a token id as OpenAI's logit_bias keys write it: a decimal integer without sign or leading zero
+TOKEN_ID_KEY = "^(0|[1-9][0-9]*)$"
+_MAX_TOKEN_ID_DIGITS = 18     # a longer id is past any vocabulary (and int() of 4,300 digits raises)
 # OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -152,6 +158,10 @@ class StreamOptions(Strict):
     include_usage: bool | None = None
 
 
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
+
+
 class SamplingFields(Strict):
     """The fields both routes share."""
 
@@ -170,6 +180,11 @@ class SamplingFields(Strict):
     user: Annotated[str, Field(max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool | None = None  # vLLM's: go on to max_tokens (benchmarks)
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Bias],
+                          Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})
+                          ] | None = None
+    # vLLM's: stop at any of these ids (which are not part of the text)
+    stop_token_ids: StopTokenIds | None = None
     deadline_ms: Annotated[float, Field(gt=0, le=1e7)] | None = None  # ours: admission control
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -177,6 +192,15 @@ class SamplingFields(Strict):
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as SamplingParams takes it; the keys were checked by `validate`."""
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.stop_token_ids or ())
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -187,6 +211,7 @@ class CompletionRequest(SamplingFields):
                   Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None  # the prompt's text before each choice's
 
 
 class TextPart(Strict):
@@ -247,6 +272,18 @@ def _most_telling(errors: list[dict]) -> dict:
     return next((e for e in same if not e["type"].endswith("_type")), same[0])
 
 
+def check_bias_keys(bias: dict) -> None:
+    """400 for a `logit_bias` key that is not a token id in decimal (OpenAI's keys), or one too
+    long to be in any vocabulary (the engine's limits check the vocabulary itself)."""
+    for key in bias:
+        if not re.fullmatch(TOKEN_ID_KEY, key):
+            raise invalid(f"logit_bias: the keys are token ids written as decimal integers, such as "
+                          f"\"50256\" (got {_describe(key)})", "logit_bias")
+        if len(key) > _MAX_TOKEN_ID_DIGITS:
+            raise APIError(400, f"logit_bias: the token id {key[:24]}... is outside the model's vocabulary",
+                           "unknown_token", "logit_bias")
+
+
 def field_refusal(error: ValidationError) -> APIError:
     """A 400 naming the first bad field of a strict model's validation error."""
     first = _most_telling(error.errors())
@@ -267,12 +304,18 @@ def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
     if model is ChatCompletionRequest and isinstance(body.get("messages"), list):
         body["messages"] = [check_fields(m, ChatMessage, MESSAGE_NO_OPS, f"messages[{i}].")
                             if isinstance(m, dict) else m for i, m in enumerate(body["messages"])]
+    if isinstance(body.get("logit_bias"), dict):
+        check_bias_keys(body["logit_bias"])
     try:
         request = model.model_validate(body)
     except ValidationError as error:
         raise field_refusal(error) from None
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported: it would need the log-probabilities of the "
+                            "prompt's tokens, which this engine does not compute (send one or the other)",
+                       "unsupported_parameter", "echo")
     if isinstance(request, ChatCompletionRequest):
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")

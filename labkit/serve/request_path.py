@@ -184,11 +184,14 @@ class RequestPath:
         return self.client.limits.max_model_len
 
     def check_size(self, prompt_ids: list[int], max_tokens: int, param: str, n: int,
-                   stop_token_ids: tuple[int, ...] = ()) -> None:
+                   stop_token_ids: tuple[int, ...] = (), logit_bias_ids: tuple[int, ...] = ()) -> None:
+        """400 for what the engine cannot do; `param` names the field of a size refusal (the
+        request's own words for its prompt or limit), the others name their own field."""
         self.max_model_len()
-        refused = self.client.limits.refusal(len(prompt_ids), max_tokens, n=n, stop_token_ids=stop_token_ids)
+        refused = self.client.limits.refusal(len(prompt_ids), max_tokens, n=n, stop_token_ids=stop_token_ids,
+                                             logit_bias_ids=logit_bias_ids)
         if refused is not None:
-            where = refused.param if refused.code == "too_many_samples" else param
+            where = refused.param if refused.code in ("too_many_samples", "unknown_token") else param
             raise APIError(400, str(refused), refused.code, where)
 
     def deadline(self, request: Request, given_ms: float | None, arrival: float) -> float | None:

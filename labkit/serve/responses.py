@@ -71,14 +71,16 @@ def chat_logprobs(tokens: TokenText, token_ids, logprobs, tops) -> dict:
 # -- whole responses ----------------------------------------------------------------------
 
 def completion_body(response_id: str, created: int, model: str, outputs: list[RequestOutput], n: int,
-                    tokens: TokenText | None) -> dict:
+                    tokens: TokenText | None, echo: list[str] | None = None) -> dict:
+    """`echo`: each prompt's text, which its choices' texts then begin with (OpenAI's `echo`)."""
     choices = []
     for p, output in enumerate(outputs):
         for sample in output.samples:
             logprobs = None
             if tokens is not None:
                 logprobs = completion_logprobs(tokens, sample.token_ids, sample.logprobs, sample.top_logprobs)
-            choices.append({"index": p * n + sample.index, "text": sample.text, "logprobs": logprobs,
+            text = sample.text if echo is None else echo[p] + sample.text
+            choices.append({"index": p * n + sample.index, "text": text, "logprobs": logprobs,
                             "finish_reason": sample.finish_reason})
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(outputs)}
