@@ -17,10 +17,10 @@ The subset: objects whose properties are all required and appear in the schema's
 strings, integers, booleans or null, an array of one of those, or such an object. JSON is
 written compact as llguidance's backend writes it (`{"a": 1, "b": [true, false]}`), with
 llguidance's string escapes (`\\"`, `\\\\`, `\\b\\f\\n\\r\\t`, and `\\u00XX` for control
-characters only). Anything else raises `NotInSubset`. It is slow (pure Python: a mask for
-SmolLM2's 49k tokens takes tens of milliseconds after the first visit of a state) and reads
-bytes without checking that they are UTF-8; `tests/test_structured.py` holds it to
-llguidance on the same schemas.
+characters only), strings checked to be well-formed UTF-8 byte by byte. Anything else
+raises `NotInSubset`. It is slow (pure Python: a state's first mask over SmolLM2's 49k
+tokens takes up to a few hundred milliseconds, a cached one nothing);
+`tests/test_structured.py` holds it to llguidance on the same schemas.
 """
 
 from __future__ import annotations
@@ -76,9 +76,19 @@ def optional(part: Node) -> Node:
 
 DIGITS = range(ord("0"), ord("9") + 1)
 HEX = [*DIGITS, *range(ord("a"), ord("g")), *range(ord("A"), ord("G"))]
-# Any byte but '"', '\\', ASCII controls and DEL; llguidance escapes only these.
-PLAIN = [b for b in range(0x20, 0x100) if b not in (ord('"'), ord("\\"), 0x7F)]
-STRING_CHAR = alt(one_of_bytes(PLAIN), seq(lit("\\"), one_of_bytes(b'"\\bfnrt')),
+# ASCII but '"', '\\', controls and DEL (llguidance escapes only these), or one well-formed
+# UTF-8 sequence of 2 to 4 bytes (the Unicode standard's table 3-7: no overlong forms, no
+# surrogates, nothing past U+10FFFF).
+PLAIN = [b for b in range(0x20, 0x7F) if b not in (ord('"'), ord("\\"))]
+TAIL = one_of_bytes(range(0x80, 0xC0))
+UTF8 = alt(seq(one_of_bytes(range(0xC2, 0xE0)), TAIL),
+           seq(lit(b"\xe0"), one_of_bytes(range(0xA0, 0xC0)), TAIL),
+           seq(one_of_bytes([*range(0xE1, 0xED), 0xEE, 0xEF]), TAIL, TAIL),
+           seq(lit(b"\xed"), one_of_bytes(range(0x80, 0xA0)), TAIL),
+           seq(lit(b"\xf0"), one_of_bytes(range(0x90, 0xC0)), TAIL, TAIL),
+           seq(one_of_bytes(range(0xF1, 0xF4)), TAIL, TAIL, TAIL),
+           seq(lit(b"\xf4"), one_of_bytes(range(0x80, 0x90)), TAIL, TAIL))
+STRING_CHAR = alt(one_of_bytes(PLAIN), UTF8, seq(lit("\\"), one_of_bytes(b'"\\bfnrt')),
                   seq(lit("\\u00"), one_of_bytes(b"01"), one_of_bytes(HEX)))
 STRING = seq(lit('"'), star(STRING_CHAR), lit('"'))
 INTEGER = seq(optional(lit("-")), alt(lit("0"), seq(one_of_bytes(range(ord("1"), ord("9") + 1)),
