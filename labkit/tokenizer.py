@@ -49,8 +49,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,29 +308,6 @@ def default_cache_dir() -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _compile_chat_template(source: str):
-    """Compile a chat template the way transformers does: sandboxed, trim/lstrip blocks."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
 class Tokenizer:
     """A tokenizer built from a GGUF file: byte-level BPE or SentencePiece BPE (see the module docstring).
 
@@ -339,7 +315,10 @@ class Tokenizer:
     one: SmolLM2's does not, Gemma 3's does, so ``encode(text, add_special_tokens=True)`` starts
     with ``<bos>`` there (as transformers and llama.cpp do) and plain ``encode(text)`` never does.
     Special-token strings that appear in text, such as ``"<|im_end|>"`` or
-    ``"<start_of_turn>"``, are matched as the special token, as transformers does.
+    ``"<start_of_turn>"``, are matched as the special token, as transformers does, unless
+    ``parse_special=False`` is passed: then they are plain text, cut into ordinary pieces.
+    ``encode_chat`` encodes a conversation so that only the chat template can write a special
+    token (:mod:`labkit.protocols.templates`).
     """
 
     #: Roles a chat message may have.
@@ -351,6 +330,7 @@ class Tokenizer:
         self._template = None
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._sentencepiece_decoder = None  # built on first decode; see labkit.tokenizer_spm
+        self._plain_backend = None  # built on first parse_special=False; see _backend_for
 
     # -- construction -------------------------------------------------------------------------
 
@@ -493,15 +473,30 @@ class Tokenizer:
                 ids = [*ids, self.eos_token_id]
         return ids
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. ``add_special_tokens`` adds BOS/EOS only where the file asks for them."""
+    def _backend_for(self, parse_special: bool) -> tokenizers.Tokenizer:
+        """The backend, or a copy of it that reads special-token spellings as plain text.
+
+        The copy is made once (seconds for Gemma's vocabulary) rather than flipping the flag on
+        the shared backend, which other threads may be encoding with at the same moment."""
+        if parse_special:
+            return self._backend
+        if self._plain_backend is None:
+            plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True  # special added tokens are not matched in text
+            self._plain_backend = plain
+        return self._plain_backend
+
+    def encode(self, text: str, add_special_tokens: bool = False, *, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``. ``add_special_tokens`` adds BOS/EOS only where the file asks for them;
+        ``parse_special=False`` reads special-token spellings in the text as plain text."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._backend_for(parse_special).encode(text, add_special_tokens=False).ids
         return self._wrap(ids, add_special_tokens)
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False, *,
+                     parse_special: bool = True) -> list[list[int]]:
+        encodings = self._backend_for(parse_special).encode_batch(list(texts), add_special_tokens=False)
         return [self._wrap(e.ids, add_special_tokens) for e in encodings]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -552,7 +547,9 @@ class Tokenizer:
             raise ValueError(f"{source} has no chat template; send a plain prompt instead")
         checked = self._check_messages(messages)
         if self._template is None:
-            self._template = _compile_chat_template(self.meta.chat_template)
+            from labkit.protocols.templates import compile_chat_template
+
+            self._template = compile_chat_template(self.meta.chat_template)
         context: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -565,8 +562,19 @@ class Tokenizer:
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> list[int]:
-        """Token ids of the rendered conversation (the template writes any BOS itself)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
+        """Token ids of the rendered conversation (the template writes any BOS itself). Only the
+        template's own text can give a special token: one spelled out in a message is plain text
+        (see :mod:`labkit.protocols.templates`)."""
+        from labkit.protocols.templates import encode_conversation
+
+        return encode_conversation(self, messages, add_generation_prompt, **template_kwargs)
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with another chat template (for a file that carries none, or a
+        published one), sharing the backend."""
+        other = Tokenizer(self._backend, replace(self.meta, chat_template=template))
+        other._plain_backend = self._plain_backend  # the same backend: share its plain-text copy
+        return other
 
     def detokenizer(self, *, skip_special_tokens: bool = False, context_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, context_ids=context_ids)

@@ -18,14 +18,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 # Bottom to top. The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("labkit.util",),                                                       # foundations
-    ("labkit.tokenizer", "labkit.sampling", "labkit.structured", "labkit.models", "labkit.kernels",
-     "labkit.eval", "labkit"),                                              # the model's parts
+    ("labkit.tokenizer", "labkit.protocols", "labkit.sampling", "labkit.structured", "labkit.models",
+     "labkit.kernels", "labkit.eval", "labkit"),                                              # the model's parts
     ("labkit.engine",),                                                     # the engine
-    ("labkit.serve", "labkit.bench", "labkit.experiments", "labkit.sim"),   # what runs on it
+    ("labkit.serve", "labkit.bench", "labkit.experiments", "labkit.sim",
+     "labkit.agent"),                                                       # what runs on it
     ("labkit.book", "labkit.cli"),                                          # book support, CLI
 ]
 LAYER_NAMES = ["foundations", "tokenizer/sampling/models/kernels", "engine",
-               "serve/bench/experiments/sim", "book/cli"]
+               "serve/bench/experiments/sim/agent", "book/cli"]
 
 
 def layer_of(module: str) -> int:

@@ -1,7 +1,9 @@
-"""One error shape for every route and every failure.
+"""One error shape per protocol, for every route of it and every failure.
 
 Every error the service sends, whatever raised it (our validation, Starlette's routing, a
-dead engine worker, a bug), is OpenAI's shape with a fitting status:
+dead engine worker, a bug), is an `APIError` rendered in the shape of the protocol whose
+route it came from: the handler picks the `ErrorShape` registered for the longest prefix of
+the request's path (`register_error_shape`), OpenAI's by default:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
                "code": "invalid_type"}}
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,11 +57,44 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self, shape: ErrorShape | None = None) -> JSONResponse:
+        """The answer in `shape` (OpenAI's by default), with Retry-After for 429 and 503."""
+        shape = shape or OPENAI_ERRORS
         headers = dict(self.headers)
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(shape.body(self), status_code=shape.status(self), headers=headers)
+
+
+class ErrorShape(Protocol):
+    """How one protocol writes an error: its body, and the status it sends for it."""
+
+    def body(self, error: APIError) -> dict: ...
+    def status(self, error: APIError) -> int: ...
+
+
+class OpenAIErrors:
+    def body(self, error: APIError) -> dict:
+        return error.body()
+
+    def status(self, error: APIError) -> int:
+        return error.status
+
+
+OPENAI_ERRORS = OpenAIErrors()
+
+
+def register_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
+    """Errors on paths that start with `prefix` (and not with a longer registered one) get `shape`."""
+    app.state.error_shapes = {**getattr(app.state, "error_shapes", {}), prefix: shape}
+
+
+def shape_for(request: Request) -> ErrorShape:
+    state = getattr(request.scope.get("app"), "state", None)
+    shapes: dict[str, ErrorShape] = getattr(state, "error_shapes", {})
+    path = request.url.path
+    matches = [prefix for prefix in shapes if path == prefix or path.startswith(prefix.rstrip("/") + "/")]
+    return shapes[max(matches, key=len)] if matches else OPENAI_ERRORS
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -68,7 +104,7 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response()
+        return error.response(shape_for(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -83,19 +119,20 @@ def install_error_handlers(app: FastAPI) -> None:
             answer = APIError(error.status_code, str(error.detail), "http_error")
         else:
             answer = APIError(400, str(error.detail), "http_error")
-        return answer.response()
+        return answer.response(shape_for(request))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         # Routes parse their own bodies; this covers query and path parameters.
         first = error.errors()[0] if error.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return invalid(first.get("msg", "invalid request"), param).response()
+        return invalid(first.get("msg", "invalid request"), param).response(shape_for(request))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        answer = APIError(500, "the server failed on this request; it has been logged", "internal_error").response()
+        answer = APIError(500, "the server failed on this request; it has been logged", "internal_error").response(
+            shape_for(request))
         request_id = request.scope.get("state", {}).get("request_id")  # labkit.serve.access; this
         if request_id is not None:                                     # handler runs outside it
             answer.headers["X-Request-Id"] = request_id

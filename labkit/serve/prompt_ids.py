@@ -15,6 +15,7 @@ import asyncio
 from typing import Mapping, Sequence
 
 from labkit.engine.output import encode_prompt, with_bos
+from labkit.protocols.templates import encode_conversation
 
 
 async def completion_ids(prompts: Sequence[str | Sequence[int]], tokenizer,
@@ -30,8 +31,9 @@ async def completion_ids(prompts: Sequence[str | Sequence[int]], tokenizer,
 
 async def chat_ids(messages: Sequence[Mapping[str, str]], tokenizer, vocab_size: int | None) -> list[int]:
     """The conversation rendered with the model's chat template (the template writes any BOS
-    itself) and encoded, in one thread."""
+    itself) and encoded, in one thread. A special-token spelling in a message is encoded as
+    plain text: only the template writes role boundaries (labkit.protocols.templates)."""
     def render_and_encode() -> list[int]:
-        return tokenizer.encode_batch([tokenizer.apply_chat_template(messages, True)])[0]
+        return encode_conversation(tokenizer, messages, True)
 
     return encode_prompt(await asyncio.to_thread(render_and_encode), tokenizer, vocab_size)

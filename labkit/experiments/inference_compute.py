@@ -1,0 +1,238 @@
+"""Inference-time compute on a task a program checks: serial budget, majority vote, best-of-N.
+
+Chapter 33 spends more tokens on the same questions in three ways and asks what each buys:
+
+- **serial**: one answer, with a larger token budget (room to "think" before answering);
+- **parallel + majority vote**: N samples at a temperature, the most common answer wins;
+- **best-of-N with a verifier**: N samples, a verifier filters them, majority vote among
+  those it accepts. The verifier here is a program: an exact one (an oracle, the ceiling of
+  any verifier) and a partial one that checks only the last digit of a sum, as a real
+  verifier checks some properties of an answer and not all.
+
+The task is addition with a few-shot prompt: these small models get a useful fraction right,
+and a program knows the answer. Everything is counted per question, so accuracies come with
+a Wilson interval and two methods on the same questions with a paired bootstrap of their
+difference (`paired_difference`), never a bare comparison of two percentages.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+FEW_SHOT = {1: "3 + 4 = 7\n5 + 2 = 7\n", 2: "23 + 4 = 27\n58 + 7 = 65\n"}
+# The serial method's prompt: two worked answers that spell out the digit sums, so a larger
+# token budget gives the model room to work before it states "The answer is N."
+WORKED_SHOTS = ("Q: 23 + 4\nA: 3 + 4 = 7, so the last digit is 7 and the tens stay 2. The answer is 27.\n"
+                "Q: 58 + 7\nA: 8 + 7 = 15, so the last digit is 5 and we carry 1: 5 + 1 = 6. "
+                "The answer is 65.\n")
+INTEGER = re.compile(r"-?\d+")
+ANSWER_IS = re.compile(r"The answer is (-?\d+)")
+
+
+@dataclass(frozen=True)
+class Problem:
+    operands: tuple[int, ...]
+    prompt: str
+
+    @property
+    def answer(self) -> int:
+        return sum(self.operands)
+
+
+def addition_problems(count: int, *, seed: int = 0, first_digits: int = 1) -> list[Problem]:
+    """`count` few-shot addition prompts "a + b =" where `a` has `first_digits` digits (1 or
+    2) and `b` is one digit. Seeded, so a chapter and its test see the same questions."""
+    if first_digits not in FEW_SHOT:
+        raise ValueError(f"first_digits must be one of {sorted(FEW_SHOT)}, got {first_digits}")
+    rng = random.Random(seed)
+    low, high = (1, 9) if first_digits == 1 else (10, 99)
+    problems = []
+    for _ in range(count):
+        a, b = rng.randint(low, high), rng.randint(1, 9)
+        problems.append(Problem((a, b), f"{FEW_SHOT[first_digits]}{a} + {b} ="))
+    return problems
+
+
+def first_integer(text: str) -> int | None:
+    """The answer a few-shot completion gives: the first integer in it (None if there is none)."""
+    found = INTEGER.search(text)
+    return int(found.group()) if found else None
+
+
+def worked_prompt(problem: Problem) -> str:
+    """The question in the worked-answer format (`WORKED_SHOTS`)."""
+    return WORKED_SHOTS + f"Q: {' + '.join(map(str, problem.operands))}\nA:"
+
+
+def worked_answer(text: str) -> int | None:
+    """The N of "The answer is N" in the model's own answer (cut at the next "Q:", where it
+    starts inventing questions); None when the budget ran out before it said so."""
+    found = ANSWER_IS.search(text.split("\nQ:")[0])
+    return int(found.group(1)) if found else None
+
+
+def final_integer(text: str) -> int | None:
+    """The answer of a worked reply: the integer after the last "Answer:", else the last one."""
+    tail = text.rpartition("Answer:")[2] if "Answer:" in text else text
+    found = INTEGER.findall(tail) or INTEGER.findall(text)
+    return int(found[-1]) if found else None
+
+
+# -- voting --------------------------------------------------------------------------------
+def majority(answers: Sequence[int | None]) -> int | None:
+    """The most common answer; ties go to the one seen first (so the rule is deterministic)."""
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(a for a in answers if a is not None and counts[a] == best)
+
+
+Verifier = Callable[[Problem, int], bool]
+
+
+def exact_verifier(problem: Problem, answer: int) -> bool:
+    """An oracle: accepts the right answer only. Best-of-N with it is pass@N."""
+    return answer == problem.answer
+
+
+def last_digit_verifier(problem: Problem, answer: int) -> bool:
+    """A partial check, as a unit test is: the sum's last digit, from the operands' last digits.
+    About one wrong answer in ten passes it."""
+    return answer % 10 == sum(x % 10 for x in problem.operands) % 10
+
+
+def best_of_n(problem: Problem, answers: Sequence[int | None], verifier: Verifier) -> int | None:
+    """Majority vote among the answers the verifier accepts; among all if it accepts none."""
+    accepted = [a for a in answers if a is not None and verifier(problem, a)]
+    return majority(accepted) if accepted else majority(answers)
+
+
+# -- sampling ------------------------------------------------------------------------------
+@dataclass
+class Sampled:
+    """One question's answers: `answers[i]` from sample i, `tokens[i]` the tokens it generated."""
+
+    problem: Problem
+    answers: list[int | None]
+    tokens: list[int]
+    texts: list[str] = field(default_factory=list)
+
+
+def sample_answers(engine, problems: Sequence[Problem], *, n: int, temperature: float, max_tokens: int,
+                   seed: int = 0, parse: Callable[[str], int | None] = first_integer,
+                   prompts: Sequence[str | list[int]] | None = None) -> list[Sampled]:
+    """`n` samples per question from the engine (one request with `n` samples, so they share
+    the prompt's KV blocks). Temperature 0 gives the greedy answer `n` times over."""
+    from labkit.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    outputs = engine.generate(list(prompts) if prompts is not None else [p.prompt for p in problems],
+                              params, n=n)
+    return [Sampled(p, [parse(s.text) for s in out.samples], [len(s.token_ids) for s in out.samples],
+                    [s.text for s in out.samples])
+            for p, out in zip(problems, outputs)]
+
+
+def correct_at(sampled: Sequence[Sampled], n: int, rule: str, verifier: Verifier | None = None) -> list[bool]:
+    """Per question, whether `rule` over its first `n` samples gives the right answer.
+    Rules: "first" (sample 0 alone), "majority", "best_of_n" (needs a verifier)."""
+    right = []
+    for s in sampled:
+        if len(s.answers) < n:
+            raise ValueError(f"{n} samples asked, {len(s.answers)} drawn")
+        answers = s.answers[:n]
+        if rule == "first":
+            picked = answers[0]
+        elif rule == "majority":
+            picked = majority(answers)
+        elif rule == "best_of_n":
+            if verifier is None:
+                raise ValueError("best_of_n needs a verifier")
+            picked = best_of_n(s.problem, answers, verifier)
+        else:
+            raise ValueError(f"unknown rule {rule!r}")
+        right.append(picked == s.problem.answer)
+    return right
+
+
+def tokens_at(sampled: Sequence[Sampled], n: int) -> float:
+    """Mean output tokens spent per question by its first `n` samples."""
+    return sum(sum(s.tokens[:n]) for s in sampled) / len(sampled)
+
+
+# -- intervals -----------------------------------------------------------------------------
+def wilson_interval(successes: int, total: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a proportion (sound at 0 and at the total, unlike p +- 2 SE)."""
+    if total < 1:
+        raise ValueError("a proportion of nothing has no interval")
+    z = _normal_quantile(1 - (1 - confidence) / 2)
+    p = successes / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _normal_quantile(q: float) -> float:
+    return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(q, dtype=torch.float64)))
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Accuracy of `b` minus accuracy of `a` on the same questions, with a bootstrap interval."""
+
+    difference: float
+    low: float
+    high: float
+    confidence: float
+
+    @property
+    def verdict(self) -> str:
+        if self.low > 0:
+            return "better"
+        if self.high < 0:
+            return "worse"
+        return "within the noise"
+
+
+def paired_difference(a: Sequence[bool], b: Sequence[bool], *, confidence: float = 0.95,
+                      resamples: int = 4000, seed: int = 0) -> Difference:
+    """Paired percentile bootstrap over questions of mean(b) - mean(a)."""
+    if len(a) != len(b) or not a:
+        raise ValueError("paired_difference needs two equally long, non-empty lists of outcomes")
+    diffs = torch.tensor([float(y) - float(x) for x, y in zip(a, b)], dtype=torch.float64)
+    picks = torch.randint(0, len(diffs), (resamples, len(diffs)), generator=torch.Generator().manual_seed(seed))
+    means = diffs[picks].mean(dim=1)
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64))
+    return Difference(float(diffs.mean()), float(low), float(high), confidence)
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    method: str
+    samples: int
+    tokens_per_question: float
+    accuracy: float
+    low: float
+    high: float
+
+
+def accuracy_curve(sampled: Sequence[Sampled], ns: Sequence[int],
+                   methods: dict[str, tuple[str, Verifier | None]]) -> list[CurvePoint]:
+    """Accuracy with its Wilson interval and the tokens spent, for each method at each N.
+    `methods` maps a label to (rule, verifier)."""
+    points = []
+    for label, (rule, verifier) in methods.items():
+        for n in ns:
+            right = correct_at(sampled, n, rule, verifier)
+            low, high = wilson_interval(sum(right), len(right))
+            points.append(CurvePoint(label, n, tokens_at(sampled, n), sum(right) / len(right), low, high))
+    return points

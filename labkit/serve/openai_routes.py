@@ -1,0 +1,129 @@
+"""OpenAI's routes over the shared request path: completions, chat completions, models.
+
+    POST /v1/completions, POST /v1/chat/completions   (JSON, or Server-Sent Events with stream)
+    GET  /v1/models, /v1/models/{id}
+
+Each route parses its body (`labkit.serve.protocol`), tokenizes the prompt, turns the fields
+into one `EngineWork` and starts it through the `RequestPath`; the answer, whole or streamed,
+is OpenAI's (`labkit.serve.calls`, `labkit.serve.responses`), and so is every error's shape
+(`labkit.serve.errors`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+
+from labkit.sampling import SamplingParams
+from labkit.serve import prompt_ids
+from labkit.serve.errors import invalid
+from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, validate
+from labkit.serve.request_path import EngineWork, RequestPath
+from labkit.serve.settings import tenant_of
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+def sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """OpenAI's sampling fields as the engine's parameters (unset fields: OpenAI's defaults)."""
+    return SamplingParams(
+        temperature=1.0 if fields.temperature is None else fields.temperature,
+        top_p=1.0 if fields.top_p is None else fields.top_p,
+        top_k=fields.top_k or 0, min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed,
+        stop=fields.stop_strings, presence_penalty=fields.presence_penalty or 0.0,
+        frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs,
+        ignore_eos=bool(fields.ignore_eos))
+
+
+def openai_router(path: RequestPath) -> APIRouter:
+    router = APIRouter()
+    settings, client, tokenizer = path.settings, path.client, path.tokenizer
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "labkit",
+                "max_model_len": client.limits.max_model_len if client.limits else None,
+                "weights": client.weights}
+
+    @router.get("/v1/models")
+    async def models(request: Request):
+        path.authenticate(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        path.authenticate(request)
+        path.check_model(name)
+        return model_card()
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.perf_counter()
+        marks = {"arrival": arrival}
+        with path.refusals_counted("completions"):
+            path.refuse_while_draining()
+            key = path.authenticate(request)
+            body = await path.read_body(request)
+            marks["read"] = time.perf_counter()
+            fields: CompletionRequest = validate(CompletionRequest, body)
+            marks["parsed"] = time.perf_counter()
+            path.check_model(fields.model)
+            prompts = fields.prompt
+            if isinstance(prompts, str) or isinstance(prompts[0], int):
+                prompts = [prompts]
+            try:
+                encoded = await prompt_ids.completion_ids(prompts, tokenizer, path.vocab_size)
+            except ValueError as error:
+                raise invalid(str(error), "prompt") from None
+            marks["tokenized"] = time.perf_counter()
+            max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+            n = fields.n or 1
+            for ids in encoded:
+                path.check_size(ids, max_tokens, "prompt", n)
+            work = EngineWork("completions", f"cmpl-{uuid.uuid4().hex}", encoded,
+                              sampling(fields, max_tokens, fields.logprobs), marks, n, fields.cache_salt,
+                              path.deadline(request, fields.deadline_ms, arrival), tenant_of(key), numbered=True)
+            streams = path.start(work)
+        call = path.call(work, streams, logprobs=fields.logprobs is not None, user=fields.user)
+        if fields.stream:
+            usage = bool(fields.stream_options and fields.stream_options.include_usage)
+            return call.stream(request, chat=False, include_usage=usage)
+        return await call.answer(request, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.perf_counter()
+        marks = {"arrival": arrival}
+        with path.refusals_counted("chat"):
+            path.refuse_while_draining()
+            key = path.authenticate(request)
+            body = await path.read_body(request)
+            marks["read"] = time.perf_counter()
+            fields: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+            marks["parsed"] = time.perf_counter()
+            path.check_model(fields.model)
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                        for m in fields.messages]
+            try:
+                ids = await prompt_ids.chat_ids(messages, tokenizer, path.vocab_size)
+            except ValueError as error:
+                raise invalid(str(error), "messages") from None
+            marks["tokenized"] = time.perf_counter()
+            limit = fields.max_completion_tokens or fields.max_tokens
+            max_model_len = path.max_model_len()  # the rest of the context is not known before
+            max_tokens = limit if limit is not None else max(1, max_model_len - len(ids))
+            n = fields.n or 1
+            path.check_size(ids, max_tokens, "max_completion_tokens" if limit is not None else "messages", n)
+            logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
+            work = EngineWork("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], sampling(fields, max_tokens, logprobs),
+                              marks, n, fields.cache_salt, path.deadline(request, fields.deadline_ms, arrival),
+                              tenant_of(key))
+            streams = path.start(work)
+        call = path.call(work, streams, logprobs=logprobs is not None, user=fields.user, metadata=fields.metadata)
+        if fields.stream:
+            usage = bool(fields.stream_options and fields.stream_options.include_usage)
+            return call.stream(request, chat=True, include_usage=usage)
+        return await call.answer(request, chat=True)
+
+    return router
