@@ -152,6 +152,24 @@ class StreamOptions(Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`: a name (as OpenAI's: letters, digits, '_' and
+    '-', at most 64), the schema (absent: any JSON value, as the empty schema says), and
+    `strict`, with which a schema must follow OpenAI's strict rules."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatField(Strict):
+    """`response_format`: text (no constraint), any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(Strict):
     """The fields both routes share."""
 
@@ -173,6 +191,8 @@ class SamplingFields(Strict):
     deadline_ms: Annotated[float, Field(gt=0, le=1e7)] | None = None  # ours: admission control
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # chat: OpenAI's; completions: vLLM's extension, the same object
+    response_format: ResponseFormatField | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -224,7 +244,8 @@ def _param(loc: tuple) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         elif not out or part in ChatMessage.model_fields or part in StreamOptions.model_fields \
-                or part in TextPart.model_fields:
+                or part in TextPart.model_fields or part in ResponseFormatField.model_fields \
+                or part in ("name", "description", "schema", "strict"):
             out += ("." if out else "") + part
         else:
             break
@@ -268,6 +289,11 @@ def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
         raise invalid(f"{param}: {first['msg']}{shown}", param, code) from None
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    fmt = request.response_format
+    if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+        raise invalid("response_format.json_schema goes with type json_schema, and only with it",
+                      "response_format.json_schema", "missing_required_parameter" if fmt.type == "json_schema"
+                      else "invalid_value")
     if isinstance(request, ChatCompletionRequest):
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")

@@ -76,8 +76,10 @@ def grammar_text(response_format: ResponseFormat) -> str:
         if response_format.strict:
             check_strict(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except ValueError as error:  # InvalidFormat is one
-        raise InvalidFormat(str(error)) from None
+    except InvalidFormat:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the library refuses a schema with is the client's 400
+        raise InvalidFormat(f"{type(error).__name__}: {error}") from None
 
 
 class LLGuidanceBackend:
@@ -109,7 +111,10 @@ class LLGuidanceBackend:
                 return found
         started = time.perf_counter()
         grammar = grammar_text(response_format)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        except Exception as failure:  # noqa: BLE001 - e.g. a grammar too large for its limits
+            error = f"{type(failure).__name__}: {failure}"
         if error:
             raise InvalidFormat(error)
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)

@@ -87,8 +87,10 @@ class XGrammarBackend:
             else:
                 if response_format.strict:
                     check_strict(response_format.schema_object)
+                # strict_mode=False: JSON Schema's meaning (unlisted properties allowed unless
+                # additionalProperties says no); xgrammar's default forbids them
                 compiled = self.compiler.compile_json_schema(response_format.schema, any_whitespace=False,
-                                                             separators=SEPARATORS)
+                                                             separators=SEPARATORS, strict_mode=False)
         except InvalidFormat:
             raise
         except Exception as error:  # xgrammar raises RuntimeError and its own types alike
