@@ -159,7 +159,7 @@ def test_gemma_eight_seeds_validate_or_say_length():
 
     gemma = load_model("gemma3-270m")
     engine = LLMEngine(gemma, EngineConfig(kv_cache_tokens=4096))
-    prompt = gemma.tokenizer.encode_chat(ASK)
+    prompt = "Invent a person. As JSON with name, age, pet, vegan and skills:\n"  # the base model: no chat template
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=72, response_format=FORMAT) for seed in range(8)]
     outs = engine.generate([prompt] * 8, params)
     check_outputs(outs, at_least_complete=4)
