@@ -26,6 +26,9 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[book,test]"
+	# xgrammar, the tests' cross-check of the llguidance backend: without its declared
+	# dependencies, which pull in triton (labkit.structured.xgr needs only these two)
+	$(BIN)/python -m pip install --quiet --no-deps -c $(CONSTRAINTS) "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

@@ -160,6 +160,14 @@ def _cmd_bench(args) -> int:
                           "results/bench/soak")
         print(summary_line(record))
         return 0 if record["verdicts"]["passed"] else 1
+    if args.figures == ["structured"]:
+        from labkit.bench.structured import StructuredConfig, run_structured, summary_lines
+
+        record = run_structured(StructuredConfig(model=args.model, quick=args.quick, repeats=args.repeats,
+                                                 threads=args.threads),
+                                args.out if args.out != "results/bench" else "results/bench/structured")
+        print("\n".join(summary_lines(record)))
+        return 0
 
     try:
         figures = run_bench(args.figures or None, quick=args.quick, out=args.out,
@@ -222,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark the serving engine against its baselines")
     bench.add_argument("figures", nargs="*", help="decode, batch, ttft, paging, prefix, serve, lowbit (default: "
-                                                  "all); or soak alone: a bounded soak of labkit serve")
+                                                  "all); or soak alone: a bounded soak of labkit serve; or "
+                                                  "structured alone: what a grammar costs")
     bench.add_argument("--quick", action="store_true", help="small sizes: checks the plumbing only")
     bench.add_argument("--out", default="results/bench", help="folder for summary.json and the records")
     bench.add_argument("--model", default="smollm2-135m")
@@ -230,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--check", action="store_true", help="exit 1 if a figure misses its target")
     bench.add_argument("--minutes", type=float, default=10.0, help="soak: how long the clients run")
     bench.add_argument("--clients", type=int, default=8, help="soak: clients at once")
+    bench.add_argument("--repeats", type=int, default=3, help="structured: repeats of the paired batches")
     bench.set_defaults(func=_cmd_bench)
 
     from labkit.serve.server import add_arguments

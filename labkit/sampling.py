@@ -2,13 +2,16 @@
 
 The pipeline for one sequence at one decode step is
 
-    logits --logit bias--> --repetition penalty--> --presence/frequency penalties--> --temperature-->
-           --top-k--> --top-p--> --min-p--> softmax --> draw
+    logits --logit bias--> --repetition penalty--> --presence/frequency penalties--> --grammar mask-->
+           --temperature--> --top-k--> --top-p--> --min-p--> softmax --> draw
 
 in that order, which is the order Hugging Face ``generate`` applies the knobs it shares with
 us in, so a request gives the same distribution here as there; OpenAI's logit bias and its
 presence and frequency penalties, which Hugging Face lacks, go where vLLM puts them (the bias
-first, among the processors that can move the argmax, before the penalties). Each processor is a
+first, among the processors that can move the argmax, before the penalties). A
+structured-output request's grammar mask (`labkit.structured`: the tokens its grammar allows
+next) comes after the bias and the penalties and before everything that picks: no bias,
+temperature, filter or greedy choice can then reach a token the grammar refuses. Each processor is a
 plain function from a ``[V]`` or ``[B, V]`` float tensor to a *new* tensor; filtered tokens
 get ``-inf``.
 
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.structured.contract import ResponseFormat
+
 __all__ = [
     "SamplingParams",
     "apply_logit_bias",
@@ -41,6 +46,7 @@ __all__ = [
     "apply_top_k",
     "apply_top_p",
     "apply_min_p",
+    "apply_allowed",
     "process_logits",
     "probabilities",
     "naive_step_generator",
@@ -125,6 +131,9 @@ class SamplingParams:
     HTTP service holds them to OpenAI's [-100, 100]); whether the ids are in the vocabulary is
     checked against the logits (and by the engine's admission, ``EngineLimits``).
 
+    ``response_format`` (a `labkit.structured.ResponseFormat`) constrains the output to a
+    grammar; the engine compiles it and hands the sampler each step's allowed tokens.
+
     ``logprobs`` asks the engine to report, for every output token, its log-probability and
     the ``logprobs`` (0 to 20) most likely alternatives; ``None`` computes nothing. These
     are *raw* log-probabilities: ``log_softmax`` of the model's logits for that position,
@@ -147,6 +156,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ (e.g. temperature=0 -> 0.0).
@@ -181,6 +191,12 @@ class SamplingParams:
         if self.logprobs is not None:
             put("logprobs", _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS + 1))
         put("logit_bias", _check_logit_bias(self.logit_bias))
+        if self.response_format is not None:
+            if not isinstance(self.response_format, ResponseFormat):
+                raise ValueError(f"response_format must be a ResponseFormat, got {self.response_format!r}")
+            if self.ignore_eos:
+                # The grammar's end is the end-of-sequence token: going on past it has no meaning.
+                raise ValueError("ignore_eos cannot be combined with a response format")
 
     @property
     def greedy(self) -> bool:
@@ -337,6 +353,16 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(logits - max_logit < math.log(min_p), float("-inf"))
 
 
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Set every token outside ``allowed`` (a bool tensor shaped like ``logits``) to -inf."""
+    _check_logits(logits)
+    if allowed.shape != logits.shape or allowed.dtype != torch.bool:
+        raise ValueError(f"allowed must be a bool tensor of shape {tuple(logits.shape)}")
+    if not bool(allowed.any(dim=-1).all()):
+        raise ValueError("allowed leaves a row without any token")
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def _greedy_mask(logits: torch.Tensor) -> torch.Tensor:
     """All but the argmax set to -inf. torch.argmax returns the first maximum: lowest id wins ties."""
     winner = torch.argmax(logits, dim=-1, keepdim=True)
@@ -349,11 +375,13 @@ def _has_output_penalties(params: SamplingParams) -> bool:
 
 
 def process_logits(
-    logits: torch.Tensor, params: SamplingParams, seen_token_ids=None, *, output_token_ids=None
+    logits: torch.Tensor, params: SamplingParams, seen_token_ids=None, *, output_token_ids=None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply ``params`` to raw logits: logit bias, repetition penalty (over ``seen_token_ids``,
     prompt and output), presence/frequency penalties (over ``output_token_ids``, the output
-    only), temperature, top-k, top-p, min-p.
+    only), the grammar mask (``allowed``, a bool tensor shaped like ``logits``: tokens outside
+    get -inf), temperature, top-k, top-p, min-p.
 
     The order is Hugging Face's, with OpenAI's bias and penalties where vLLM applies them
     (the bias first: a penalty then acts on the biased logit, as in vLLM). It
@@ -374,6 +402,8 @@ def process_logits(
         out = apply_presence_frequency_penalties(
             out, output_token_ids, params.presence_penalty, params.frequency_penalty
         )
+    if allowed is not None:
+        out = apply_allowed(out, allowed)
     if params.greedy:
         return _greedy_mask(out)
     if params.temperature != 1.0:
@@ -385,10 +415,13 @@ def process_logits(
 
 
 def probabilities(
-    logits: torch.Tensor, params: SamplingParams, seen_token_ids=None, *, output_token_ids=None
+    logits: torch.Tensor, params: SamplingParams, seen_token_ids=None, *, output_token_ids=None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The distribution ``sample`` draws from: softmax of ``process_logits`` (one-hot if greedy)."""
-    return torch.softmax(process_logits(logits, params, seen_token_ids, output_token_ids=output_token_ids), dim=-1)
+    processed = process_logits(logits, params, seen_token_ids, output_token_ids=output_token_ids,
+                               allowed=allowed)
+    return torch.softmax(processed, dim=-1)
 
 
 # --------------------------------------------------------------------------- random streams
@@ -481,6 +514,7 @@ def sample(
     output_token_ids=None,
     generator: torch.Generator | None = None,
     scheme: str = "independent",
+    allowed: torch.Tensor | None = None,
 ) -> int:
     """Pick the next token for one sequence from its ``[V]`` logits.
 
@@ -497,8 +531,10 @@ def sample(
         raise ValueError("sample takes 1-D [V] logits; use sample_batch for [B, V]")
     step = _check_int("step", step, low=0, high=_U64)
     if params.greedy:
-        return int(torch.argmax(process_logits(logits, params, seen_token_ids, output_token_ids=output_token_ids)))
-    probs = probabilities(logits, params, seen_token_ids, output_token_ids=output_token_ids)
+        processed = process_logits(logits, params, seen_token_ids, output_token_ids=output_token_ids,
+                                   allowed=allowed)
+        return int(torch.argmax(processed))
+    probs = probabilities(logits, params, seen_token_ids, output_token_ids=output_token_ids, allowed=allowed)
     gen = generator if generator is not None else _generator(seed, step, scheme)
     u = torch.tensor(_uniform(gen), dtype=torch.float64)
     return int(_inverse_cdf(probs.cpu(), u))
@@ -513,11 +549,13 @@ def sample_batch(
     *,
     output_token_ids: Sequence | None = None,
     scheme: str = "independent",
+    allowed: torch.Tensor | None = None,
 ) -> list[int]:
     """``sample`` for each row of ``[B, V]`` logits; row ``i`` gives exactly ``sample(logits[i], ...)``.
 
     ``seen_list`` and ``output_token_ids`` hold one id sequence (or ``None``) per row, for the
-    repetition penalty and the presence/frequency penalties respectively.
+    repetition penalty and the presence/frequency penalties respectively; ``allowed`` (bool
+    ``[B, V]``) is each row's grammar mask.
 
     When every row shares one ``SamplingParams`` (the common case) the processors run once on
     the whole batch; the uniforms still come from one stream per (seed, step) row.
@@ -545,10 +583,12 @@ def sample_batch(
     ):
         seen = seen_list if first.repetition_penalty != 1.0 else None
         out_ids = outputs if _has_output_penalties(first) else None
-        probs = probabilities(logits, first, seen, output_token_ids=out_ids)
+        probs = probabilities(logits, first, seen, output_token_ids=out_ids, allowed=allowed)
     else:
         probs = torch.stack([
-            probabilities(logits[i], params_list[i], seen_list[i], output_token_ids=outputs[i]) for i in range(batch)
+            probabilities(logits[i], params_list[i], seen_list[i], output_token_ids=outputs[i],
+                          allowed=None if allowed is None else allowed[i])
+            for i in range(batch)
         ])
 
     # Greedy rows have one-hot probs; an inverse CDF then returns the argmax whatever the uniform,

@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 # Bottom to top. The first matching prefix decides a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("labkit.util",),                                                       # foundations
-    ("labkit.tokenizer", "labkit.protocols", "labkit.sampling", "labkit.models", "labkit.kernels",
-     "labkit.eval", "labkit"),                                              # the model's parts
+    ("labkit.tokenizer", "labkit.protocols", "labkit.sampling", "labkit.structured", "labkit.models",
+     "labkit.kernels", "labkit.eval", "labkit"),                                              # the model's parts
     ("labkit.engine",),                                                     # the engine
     ("labkit.serve", "labkit.bench", "labkit.experiments", "labkit.sim",
      "labkit.agent"),                                                       # what runs on it

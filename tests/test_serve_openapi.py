@@ -89,7 +89,7 @@ BAD = {"/v1/completions": [{"model": "m"}, {"model": "m", "prompt": "x", "max_to
        "/v1/chat/completions": [{"model": "m", "messages": []},
                                 {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
                                 {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                 "response_format": {"type": "json_object"}},
+                                 "response_format": {"type": "xml"}},
                                 {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                  "metadata": {"k": 1}}],
        "/v1/responses": [{"model": "m"}, {"model": "m", "input": []},

@@ -10,6 +10,12 @@ layout and attention to its `Backend` (`labkit.engine.interfaces`). `generate` d
 steps until a set of requests is done; `stream` yields one request's events as they
 happen, and any number of streams may be open at once: each step's events are kept for
 the stream they belong to. A server drives the engine through `labkit.engine.core`.
+
+A request whose params have a `response_format` is compiled when it is added (a format the
+grammar engine refuses is refused then, before any work: `labkit.structured.InvalidFormat`,
+a ValueError); each of its samples gets its own matcher, which the runner's sampler masks
+with and the sample's output processor advances. `mask_clock` adds up the time spent in
+them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from labkit.engine.runner import ModelRunner, SampledToken
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.sequence import Sequence, Status
 from labkit.sampling import SamplingParams
+from labkit.structured.contract import CompiledGrammar, MaskClock, SampleMatcher
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,7 @@ class _Request:
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
     outputs: dict[int, OutputProcessor] = field(default_factory=dict)  # by sample index
+    grammar: CompiledGrammar | None = None  # the compiled response format, if any
 
     @property
     def done(self) -> bool:
@@ -173,7 +181,9 @@ class LLMEngine:
         self.pool = self.backend.new_pool(model.config, num_blocks, c.block_size, kv_dtype, model.device)
         self.transitions: deque[tuple[float, str, int, str, str]] = deque(maxlen=c.transition_log)
         self.scheduler = Scheduler(c.scheduler, self.blocks, self._record_transition)
-        self.runner = ModelRunner(self.model, self.pool, self.backend)
+        self.mask_clock = MaskClock()
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.mask_clock)
+        self._grammars = None  # the grammar backend, made by the first structured request
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -195,7 +205,27 @@ class LLMEngine:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         self.limits.check(len(ids), params.max_tokens, n=n, stop_token_ids=params.stop_token_ids,
                           logit_bias_ids=tuple(t for t, _ in params.logit_bias))
+        self.compile_format(params)
         return ids
+
+    def compile_format(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled response format of `params` (None without one), from the grammar
+        backend's cache after the first time; `labkit.structured.InvalidFormat` if the
+        grammar engine refuses it."""
+        if params.response_format is None:
+            return None
+        if self._grammars is None:
+            if self.model.tokenizer is None:
+                raise ValueError("a response format needs the model's tokenizer")
+            from labkit.structured.llg import backend_for  # llguidance loads on first use
+
+            self._grammars = backend_for(self.model.tokenizer, self.model.config.vocab_size)
+        return self._grammars.compile(params.response_format)
+
+    def _matcher(self, request: _Request) -> SampleMatcher | None:
+        if request.grammar is None:
+            return None
+        return SampleMatcher(request.grammar.new_matcher(), self.mask_clock, request.params.stop_token_ids)
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, n: int = 1, cache_salt: str | None = None,
@@ -208,17 +238,18 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
-        request = _Request(request_id, ids, params, n, now)
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, cache_salt=cache_salt, arrival_time=now)
+        request = _Request(request_id, ids, params, n, now, grammar=self.compile_format(params))
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, cache_salt=cache_salt, arrival_time=now,
+                       matcher=self._matcher(request))
         request.seqs.append(seq)
-        request.outputs[0] = self._output_processor(ids, params)
+        request.outputs[0] = self._output_processor(ids, params, seq.matcher)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self._record_transition(seq, None, Status.WAITING)
         return request_id
 
-    def _output_processor(self, prompt_ids: list[int], params: SamplingParams) -> OutputProcessor:
-        return OutputProcessor(self.model.tokenizer, params, self.max_model_len - len(prompt_ids))
+    def _output_processor(self, prompt_ids: list[int], params: SamplingParams, matcher=None) -> OutputProcessor:
+        return OutputProcessor(self.model.tokenizer, params, self.max_model_len - len(prompt_ids), matcher)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: its samples stop and give back their blocks. False if there
@@ -270,7 +301,7 @@ class LLMEngine:
                 for index in range(1, request.n):
                     child = Sequence(next(self._seq_ids), seq.request_id, seq.prompt_token_ids,
                                      seq.params, sample_index=index, cache_salt=seq.cache_salt,
-                                     arrival_time=seq.arrival_time)
+                                     arrival_time=seq.arrival_time, matcher=self._matcher(request))
                     out.append((seq, child))
         return out
 
@@ -286,7 +317,8 @@ class LLMEngine:
                 request = self.requests[seq.request_id]
                 self.blocks.fork(owner, seq)
                 request.seqs.append(seq)
-                request.outputs[seq.sample_index] = self._output_processor(seq.prompt_token_ids, seq.params)
+                request.outputs[seq.sample_index] = self._output_processor(seq.prompt_token_ids, seq.params,
+                                                                           seq.matcher)
                 self._record_transition(seq, None, Status.WAITING)
                 self.scheduler.add_running(seq)
         now = self.clock()

@@ -7,6 +7,7 @@ Both the simple loop (`labkit.engine.loop.generate`) and the serving engine
     token -> EOS or a stop token id?  finish "stop", the token is not part of the output
           -> incremental detokenization (UTF-8 safe: only final text comes out)
           -> a stop string in the decoded text (it may span tokens)?  cut there, finish "stop"
+          -> a response format's grammar complete (nothing but EOS may follow)?  finish "stop"
           -> max_tokens or the context's limit reached?  flush the held-back text, "length"
 
 Text is handed out (`Delta.text`, what a stream sends) only once no stop string can claim
@@ -41,10 +42,12 @@ class OutputProcessor:
     """One sample's stop / EOS / length / detokenization state.
 
     `max_new_tokens` is the most output tokens the sample may have (the request's
-    `max_tokens`, or fewer where the model's context ends first)."""
+    `max_tokens`, or fewer where the model's context ends first). `matcher`, the sample's
+    grammar matcher where its params have a response format, consumes each kept token."""
 
-    def __init__(self, tokenizer, params: SamplingParams, max_new_tokens: int | None = None):
-        self.params = params
+    def __init__(self, tokenizer, params: SamplingParams, max_new_tokens: int | None = None,
+                 matcher=None):
+        self.params, self.matcher = params, matcher
         self.max_new_tokens = params.max_tokens if max_new_tokens is None else min(max_new_tokens, params.max_tokens)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
@@ -62,6 +65,8 @@ class OutputProcessor:
         if token in self.stop_ids:
             return self._finish(Delta(None, self._release(len(self.text)), "stop"))
         self.token_ids.append(token)
+        if self.matcher is not None:
+            self.matcher.consume(token)
         piece = self.detokenizer.add([token]) if self.detokenizer is not None else ""
         before = len(self.text)
         self.text += piece
@@ -69,6 +74,11 @@ class OutputProcessor:
         if cut is not None:
             self.text = self.text[:cut]
             return self._finish(Delta(token, self._release(cut), "stop"))
+        if self.matcher is not None and self.matcher.is_terminated():
+            # Complete: ending here saves the step that would only sample the forced EOS.
+            tail = self.detokenizer.flush() if self.detokenizer is not None else ""
+            self.text += tail
+            return self._finish(Delta(token, self._release(len(self.text)), "stop"))
         if len(self.token_ids) >= self.max_new_tokens:
             tail = self.detokenizer.flush() if self.detokenizer is not None else ""
             self.text += tail

@@ -9,10 +9,17 @@ its tokens do not depend on which other sequences share the step. A sequence who
 ask for `logprobs` also gets the raw log-probabilities of its token and of the most likely
 alternatives (see `labkit.sampling.SamplingParams`), computed here because only here are
 the logits at hand.
+
+A sequence with a response format carries a grammar matcher (`labkit.structured`): its row
+is sampled under the matcher's mask of allowed tokens, applied after the penalties and
+before temperature, filters and greedy. Rows without one take the path they would take
+alone, so constrained and unconstrained sequences share a step without changing each
+other's tokens.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +28,7 @@ from labkit.engine.interfaces import Backend, KVPoolLike, ServedModel
 from labkit.engine.scheduler import StepPlan
 from labkit.engine.sequence import Sequence
 from labkit.sampling import SamplingParams, sample_batch
+from labkit.structured.contract import MaskClock, bitmask_words, unpack_bitmask
 
 
 @dataclass(frozen=True)
@@ -62,10 +70,38 @@ def _raw_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
     return out
 
 
+def _draw(seqs: list[Sequence], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> list[int]:
+    """One token per row: the argmax where every row is plain greedy, else `sample_batch`."""
+    if allowed is None and all(_is_plain_greedy(s.params) for s in seqs):
+        # What sample_batch returns for greedy rows (the argmax, lowest id on ties),
+        # without building the one-hot distributions.
+        return logits.argmax(dim=-1).tolist()
+    seen = [s.token_ids if s.params.repetition_penalty != 1.0 else None for s in seqs]
+    outputs = [s.output_token_ids if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+               else None for s in seqs]
+    return sample_batch(logits.cpu(), [s.params for s in seqs], [s.sampling_seed for s in seqs],
+                        [len(s.output_token_ids) for s in seqs], seen, output_token_ids=outputs, allowed=allowed)
+
+
+def _allowed(seqs: list[Sequence], vocab_size: int, clock: MaskClock | None) -> torch.Tensor:
+    """Bool [len(seqs), vocab_size]: each sequence's grammar mask (its matcher's time is
+    clocked by the matcher; unpacking the masks is clocked here)."""
+    bitmask = torch.zeros(len(seqs), bitmask_words(vocab_size), dtype=torch.int32)
+    for row, seq in enumerate(seqs):
+        seq.matcher.fill_bitmask(bitmask[row])
+    started = time.perf_counter()
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    if clock is not None:
+        clock.seconds += time.perf_counter() - started
+    return allowed
+
+
 class ModelRunner:
-    def __init__(self, model: ServedModel, pool: KVPoolLike, backend: Backend):
+    def __init__(self, model: ServedModel, pool: KVPoolLike, backend: Backend,
+                 mask_clock: MaskClock | None = None):
         self.model, self.pool, self.backend = model, pool, backend
         self.device = pool.device
+        self.mask_clock = mask_clock or MaskClock()
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, samples: list[tuple[Sequence, Sequence]]) -> list[SampledToken]:
@@ -94,23 +130,29 @@ class ModelRunner:
         picks = [row_of[owner.seq_id][0] for owner, _ in samples]
         if picks != list(range(len(row_of))):
             logits = logits[torch.tensor(picks, dtype=torch.long, device=logits.device)]
-        return self.sample([seq for _, seq in samples], logits)
+        return self.sample([seq for _, seq in samples], logits, self.mask_clock)
 
     @staticmethod
-    def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
+    def sample(seqs: list[Sequence], logits: torch.Tensor, mask_clock: MaskClock | None = None
+               ) -> list[SampledToken]:
         """One token for each sequence from its row of `logits` (raw, one row per sequence)."""
         if not seqs:
             return []
-        if all(_is_plain_greedy(s.params) for s in seqs):
-            # What sample_batch returns for greedy rows (the argmax, lowest id on ties),
-            # without building the one-hot distributions.
-            tokens = logits.argmax(dim=-1).tolist()
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not constrained:
+            tokens = _draw(seqs, logits)
         else:
-            seen = [s.token_ids if s.params.repetition_penalty != 1.0 else None for s in seqs]
-            outputs = [s.output_token_ids if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
-                       else None for s in seqs]
-            tokens = sample_batch(logits.cpu(), [s.params for s in seqs], [s.sampling_seed for s in seqs],
-                                  [len(s.output_token_ids) for s in seqs], seen, output_token_ids=outputs)
+            tokens = [0] * len(seqs)
+            plain = [i for i, s in enumerate(seqs) if s.matcher is None]
+            if plain:
+                rows = logits[torch.tensor(plain, device=logits.device)]
+                for i, token in zip(plain, _draw([seqs[i] for i in plain], rows)):
+                    tokens[i] = token
+            rows = logits[torch.tensor(constrained, device=logits.device)]
+            picked = [seqs[i] for i in constrained]
+            allowed = _allowed(picked, rows.shape[-1], mask_clock)
+            for i, token in zip(constrained, _draw(picked, rows, allowed)):
+                tokens[i] = token
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not asking:
             return [SampledToken(t) for t in tokens]

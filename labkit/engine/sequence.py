@@ -56,6 +56,11 @@ class Sequence:
     # recompute (which samples nothing until it reaches the end of that output).
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    # The sample's grammar matcher when its params have a response format (a
+    # labkit.structured GrammarMatcher): the runner asks it for the step's allowed tokens,
+    # the output processor feeds it each kept token. Its state follows output_token_ids, so a
+    # preempted sequence keeps it through a recompute.
+    matcher: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -2,7 +2,7 @@
 asks for nothing.
 
 Official clients and frameworks send some of these fields at their documented defaults
-(`store: false`, `response_format: {"type": "text"}`, `parallel_tool_calls: true`, ...). Such
+(`store: false`, `modalities: ["text"]`, `parallel_tool_calls: true`, ...). Such
 a value changes nothing, so it is taken and the answer is the one without it; any other value
 is refused (400 `unsupported_parameter`, naming the field), and null means "not given" as
 everywhere. The values are those of OpenAI's OpenAPI document (vendored in
@@ -35,7 +35,6 @@ CHAT_NO_OPS: dict[str, tuple] = {
     "prompt_cache_options": ONLY_NULL,
     "prompt_cache_retention": ONLY_NULL,
     "reasoning_effort": ("medium",),       # default "medium"
-    "response_format": ({"type": "text"},),  # plain text, what every answer here is
     "safety_identifier": ONLY_NULL,
     "service_tier": ("auto", "default"),   # default "auto"; this server has one tier, the default
     "store": (False,),                     # default false: nothing is stored

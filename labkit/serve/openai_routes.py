@@ -11,6 +11,7 @@ is OpenAI's (`labkit.serve.calls`, `labkit.serve.responses`), and so is every er
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -22,19 +23,25 @@ from labkit.serve.errors import invalid
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, validate
 from labkit.serve.request_path import EngineWork, RequestPath
 from labkit.serve.settings import tenant_of
+from labkit.structured.contract import InvalidFormat, ResponseFormat
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
-def sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None,
+             response_format: ResponseFormat | None = None) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters (unset fields: OpenAI's defaults)."""
+    if response_format is not None and fields.ignore_eos:
+        raise invalid("ignore_eos cannot be combined with a response_format: the grammar ends the output",
+                      "ignore_eos")
     return SamplingParams(
         temperature=1.0 if fields.temperature is None else fields.temperature,
         top_p=1.0 if fields.top_p is None else fields.top_p,
         top_k=fields.top_k or 0, min_p=fields.min_p or 0.0, max_tokens=max_tokens, seed=fields.seed,
         stop=fields.stop_strings, presence_penalty=fields.presence_penalty or 0.0,
         frequency_penalty=fields.frequency_penalty or 0.0, logprobs=logprobs,
-        ignore_eos=bool(fields.ignore_eos), logit_bias=fields.bias_pairs, stop_token_ids=fields.stop_ids)
+        ignore_eos=bool(fields.ignore_eos), logit_bias=fields.bias_pairs, stop_token_ids=fields.stop_ids,
+        response_format=response_format)
 
 
 def check_engine_limits(path: RequestPath, ids: list[int], params: SamplingParams, param: str,
@@ -43,6 +50,29 @@ def check_engine_limits(path: RequestPath, ids: list[int], params: SamplingParam
     with the token ids the request names for stopping and biasing."""
     path.check_size(ids, params.max_tokens, param, n, params.stop_token_ids,
                     tuple(token for token, _ in params.logit_bias))
+
+async def response_format(fields: SamplingFields, tokenizer, vocab_size: int | None) -> ResponseFormat | None:
+    """The request's response format, compiled here once (the engine's compile then hits the
+    cache of its own process) so that a schema the grammar engine refuses is a 400
+    `invalid_json_schema` before any work; None for `text` or no field."""
+    sent = fields.response_format
+    if sent is None or sent.type == "text":
+        return None
+    try:
+        if sent.type == "json_object":
+            fmt = ResponseFormat.json_object()
+        else:
+            spec = sent.json_schema
+            fmt = ResponseFormat.json_schema({} if spec.schema_ is None else spec.schema_,
+                                             strict=bool(spec.strict), name=spec.name)
+        from labkit.structured.llg import backend_for  # llguidance loads with the first format
+
+        # off the event loop: the first call builds llguidance's tokenizer (0.5-3.5 s)
+        await asyncio.to_thread(lambda: backend_for(tokenizer, vocab_size).compile(fmt))
+    except InvalidFormat as error:
+        where = "response_format.json_schema.schema" if sent.type == "json_schema" else "response_format"
+        raise invalid(f"invalid schema for response_format: {error}", where, "invalid_json_schema") from None
+    return fmt
 
 
 def openai_router(path: RequestPath) -> APIRouter:
@@ -91,7 +121,8 @@ def openai_router(path: RequestPath) -> APIRouter:
             marks["tokenized"] = time.perf_counter()
             max_tokens = fields.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
             n = fields.n or 1
-            params = sampling(fields, max_tokens, fields.logprobs)
+            fmt = await response_format(fields, tokenizer, path.vocab_size)
+            params = sampling(fields, max_tokens, fields.logprobs, fmt)
             for ids in encoded:
                 check_engine_limits(path, ids, params, "prompt", n)
             until = path.deadline(request, fields.deadline_ms, arrival)
@@ -129,7 +160,8 @@ def openai_router(path: RequestPath) -> APIRouter:
             max_tokens = limit if limit is not None else max(1, max_model_len - len(ids))
             n = fields.n or 1
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
-            params = sampling(fields, max_tokens, logprobs)
+            fmt = await response_format(fields, tokenizer, path.vocab_size)
+            params = sampling(fields, max_tokens, logprobs, fmt)
             size_param = "max_completion_tokens" if limit is not None else "messages"
             check_engine_limits(path, ids, params, size_param, n)
             until = path.deadline(request, fields.deadline_ms, arrival)

@@ -162,6 +162,24 @@ Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)
 StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`: a name (as OpenAI's: letters, digits, '_' and
+    '-', at most 64), the schema (absent: any JSON value, as the empty schema says), and
+    `strict`, with which a schema must follow OpenAI's strict rules."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatField(Strict):
+    """`response_format`: text (no constraint), any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(Strict):
     """The fields both routes share."""
 
@@ -188,6 +206,8 @@ class SamplingFields(Strict):
     deadline_ms: Annotated[float, Field(gt=0, le=1e7)] | None = None  # ours: admission control
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # chat: OpenAI's; completions: vLLM's extension, the same object
+    response_format: ResponseFormatField | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -249,7 +269,8 @@ def _param(loc: tuple) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         elif not out or part in ChatMessage.model_fields or part in StreamOptions.model_fields \
-                or part in TextPart.model_fields:
+                or part in TextPart.model_fields or part in ResponseFormatField.model_fields \
+                or part in ("name", "description", "schema", "strict"):
             out += ("." if out else "") + part
         else:
             break
@@ -316,6 +337,11 @@ def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
         raise APIError(400, "echo with logprobs is not supported: it would need the log-probabilities of the "
                             "prompt's tokens, which this engine does not compute (send one or the other)",
                        "unsupported_parameter", "echo")
+    fmt = request.response_format
+    if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+        raise invalid("response_format.json_schema goes with type json_schema, and only with it",
+                      "response_format.json_schema", "missing_required_parameter" if fmt.type == "json_schema"
+                      else "invalid_value")
     if isinstance(request, ChatCompletionRequest):
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
