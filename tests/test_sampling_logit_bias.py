@@ -128,6 +128,7 @@ def test_the_runner_keeps_its_greedy_fast_path_only_without_a_bias():
     class Seq:
         def __init__(self, params):
             self.params, self.token_ids, self.output_token_ids, self.sampling_seed = params, [0], [], None
+            self.matcher = None  # no response format
 
     rows = LOGITS.expand(2, -1).clone()
     plain, biased = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logit_bias={5: 10.0})
