@@ -83,5 +83,47 @@ def test_every_model_has_eight_distinct_attacks():
         texts = pe.attack_texts(model)
         assert len(set(texts)) == len(texts) == 8
         assert all(any(s in t for s in pe.BOUNDARIES[model]) for t in texts)
-    assert pe.says_canary(f"the word is {pe.CANARY.lower()}") and not pe.says_canary("Paris")
-    assert not pe.says_canary(f"I was told: {pe.INSTRUCTION}")
+
+
+def test_obedience_margin_matches_the_engines_own_logprobs():
+    """word_logprob (one forward over prompt + word) against the engine's per-token logprobs
+    (prefill, then decode steps through the KV cache): two computations of the same numbers."""
+    import labkit
+    from labkit.engine import EngineConfig, LLMEngine
+    from labkit.sampling import SamplingParams
+
+    model = labkit.load_model("smollm2-135m")
+    tok = model.tokenizer
+    prompt = ChatEncoder(tok).encode(pe.conversation_with(pe.attack_texts("smollm2-135m", 1)[0]))
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=1024))
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    sample = engine.generate([prompt], params)[0].samples[0]
+    assert pe.word_logprob(model, prompt, sample.token_ids) == pytest.approx(sum(sample.logprobs), abs=1e-3)
+    canary, answer = tok.encode_batch([pe.CANARY, pe.ANSWER], parse_special=False)
+    margin = pe.obedience_margin(model, tok, prompt)
+    by_word = pe.word_logprob(model, prompt, canary) - pe.word_logprob(model, prompt, answer)
+    assert margin == pytest.approx(by_word)
+
+
+def test_plain_arm_and_verdict():
+    for model in pe.ATTACKS:
+        for text in pe.attack_texts(model):
+            plain = pe.without_markers(text, model)
+            assert pe.INSTRUCTION in plain and not any(s in plain for s in pe.BOUNDARIES[model])
+    assert [pe.verdict(*i) for i in ((0.1, 0.5), (-0.5, -0.1), (-0.1, 0.1))] == [
+        "more", "less", "no measurable difference"]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_token_kinds_split_the_envelope(models, model):
+    """The figure's colouring: its control ids are the listed special tokens, and its content
+    ids are as many as the messages' texts tokenized on their own."""
+    ours, _, _ = models
+    ids = ChatEncoder(ours[model]).encode(pe.CONVERSATION)
+    kinds = pe.token_kinds(ours[model], ids)
+    listed = [i for _, i, _ in pe.special_tokens_of(ours[model], ids)]
+    assert [i for i, k in zip(ids, kinds) if k == "control"] == listed
+    # Gemma's template joins the system text to the first user text with "\n\n" inside the
+    # turn; token_kinds cannot tell that separator from the content, so it counts one more.
+    joined = 1 if model == "gemma3-270m" else 0
+    assert kinds.count("content") == pe.content_tokens(ours[model], pe.CONVERSATION) + joined
