@@ -30,6 +30,18 @@ def test_an_explicit_breakpoint_is_written_once_and_read_while_it_lives():
     assert billed[3] == pc.Billed(read=0, written=2000, ordinary=1)   # 301 s after its last use: gone
 
 
+def test_a_breakpoint_entry_is_read_whole_or_not_at_all():
+    system = tuple(range(1500))
+    first = pc.CacheRequest(system + (1, 2), arrival_s=0.0, breakpoint_tokens=1502)
+    other = pc.CacheRequest(system + (3, 4), arrival_s=1.0, breakpoint_tokens=1502)  # shares 1,500, not 1,502
+    marked = pc.CacheRequest(system + (5,), arrival_s=2.0, breakpoint_tokens=1500)
+    after = pc.CacheRequest(system + (6, 7), arrival_s=3.0, breakpoint_tokens=1502)
+    billed = pc.predict(ANTHROPIC, [first, other, marked, after])
+    assert billed[1] == pc.Billed(read=0, written=1502, ordinary=0)
+    assert billed[2] == pc.Billed(read=0, written=1500, ordinary=1)   # a breakpoint at the system prompt's end
+    assert billed[3] == pc.Billed(read=1500, written=2, ordinary=0)
+
+
 def test_a_prefix_below_the_minimum_is_never_cached_and_costs_nothing_extra():
     short = [pc.CacheRequest(tuple(range(500)), arrival_s=i, breakpoint_tokens=500) for i in range(3)]
     billed = pc.predict(ANTHROPIC, short)

@@ -110,9 +110,10 @@ def cacheable(contract: CachingContract, length: int) -> int:
 def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list[Billed]:
     """Play `requests` (in arrival order) through `contract`'s documented rules.
 
-    Entries are token sequences with the time they were last used. A request reads the longest
-    live entry's prefix it shares, cut to a cacheable length (and short of the prompt's last
-    token where the contract says so). An automatic cache then holds the whole sequence
+    Entries are token sequences with the time they were last used. An automatic cache reads the
+    longest prefix a request shares with a live entry, cut to a cacheable length (and short of
+    the prompt's last token where the contract says so); an explicit one reads only a whole
+    entry, one that ends at a breakpoint some request wrote and that the prompt starts with. An automatic cache then holds the whole sequence
     (prompt and reply) for later requests and bills no write; an explicit one writes the
     prompt up to the client's breakpoint, billing the tokens past what it read."""
     entries: list[tuple[tuple[int, ...], float]] = []
@@ -124,7 +125,10 @@ def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list
         limit = len(prompt) - 1 if contract.never_last_token else len(prompt)
         read, hit = 0, None
         for index, (tokens, _) in enumerate(live):
-            shared = cacheable(contract, min(common_prefix(tokens, prompt), limit))
+            if contract.automatic:
+                shared = cacheable(contract, min(common_prefix(tokens, prompt), limit))
+            else:  # an entry ends at a breakpoint a client wrote: it is read whole or not at all
+                shared = len(tokens) if len(tokens) <= limit and prompt[:len(tokens)] == tokens else 0
             if shared > read:
                 read, hit = shared, index
         if hit is not None:
