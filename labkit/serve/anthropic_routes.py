@@ -89,13 +89,7 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         arrival = time.perf_counter()
         marks = {"arrival": arrival}
         with path.refusals_counted("messages"):
-            path.refuse_while_draining()
-            key = path.authenticate(request)
-            body = await path.read_body(request)
-            marks["read"] = time.perf_counter()
-            fields: MessagesRequest = parse(MessagesRequest, body)
-            marks["parsed"] = time.perf_counter()
-            path.check_model(fields.model)
+            key, fields = await path.receive(request, lambda body: parse(MessagesRequest, body), marks)
             ids, breakpoint_tokens = await prompt_of(fields)
             marks["tokenized"] = time.perf_counter()
             path.check_size(ids, fields.max_tokens, "max_tokens", 1)

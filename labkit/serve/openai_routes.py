@@ -100,13 +100,7 @@ def openai_router(path: RequestPath) -> APIRouter:
         arrival = time.perf_counter()
         marks = {"arrival": arrival}
         with path.refusals_counted("completions"):
-            path.refuse_while_draining()
-            key = path.authenticate(request)
-            body = await path.read_body(request)
-            marks["read"] = time.perf_counter()
-            fields: CompletionRequest = validate(CompletionRequest, body)
-            marks["parsed"] = time.perf_counter()
-            path.check_model(fields.model)
+            key, fields = await path.receive(request, lambda body: validate(CompletionRequest, body), marks)
             prompts = fields.prompt
             if isinstance(prompts, str) or isinstance(prompts[0], int):
                 prompts = [prompts]
@@ -141,13 +135,8 @@ def openai_router(path: RequestPath) -> APIRouter:
         arrival = time.perf_counter()
         marks = {"arrival": arrival}
         with path.refusals_counted("chat"):
-            path.refuse_while_draining()
-            key = path.authenticate(request)
-            body = await path.read_body(request)
-            marks["read"] = time.perf_counter()
-            fields: ChatCompletionRequest = validate(ChatCompletionRequest, body)
-            marks["parsed"] = time.perf_counter()
-            path.check_model(fields.model)
+            key, fields = await path.receive(request, lambda body: validate(ChatCompletionRequest, body),
+                                             marks)
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                         for m in fields.messages]
             try:

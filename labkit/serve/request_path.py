@@ -15,6 +15,8 @@ import asyncio
 import hmac
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
@@ -264,6 +266,21 @@ class RequestPath:
                     logprobs, work.marks["arrival"], self.metrics, self.token_text, user, work.marks,
                     self.admission.token, self.closed, metadata,
                     keepalive_s=self.settings.sse_keepalive_seconds)
+
+    async def receive(self, request: Request, parse: Callable[[dict], Any], marks: dict[str, float], *,
+                      model_of: Callable[[Any], str] = lambda fields: fields.model) -> tuple[str | None, Any]:
+        """What every route does first, in this order: refuse while draining, authenticate, read
+        the body within its limit, parse it (`parse`: the protocol's own rules and error shape)
+        and check the model. `marks` gets the read and parsed times. Returns the API key and
+        what `parse` returned."""
+        self.refuse_while_draining()
+        key = self.authenticate(request)
+        body = await self.read_body(request)
+        marks["read"] = time.perf_counter()
+        fields = parse(body)
+        marks["parsed"] = time.perf_counter()
+        self.check_model(model_of(fields))
+        return key, fields
 
     @contextmanager
     def refusals_counted(self, route: str):

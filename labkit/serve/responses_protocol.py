@@ -192,6 +192,7 @@ class ParsedResponsesRequest:
 
     fields: ResponsesRequest
     items: list[InputItem]
+    tool_choice: str | None = None  # a no-op value the request sent, echoed in the response
 
 
 # -- errors in the chat route's words ------------------------------------------------------------
@@ -280,6 +281,7 @@ def text_format(text: ResponseText | None) -> None:
 
 def parse_request(body: dict) -> ParsedResponsesRequest:
     """The checked request, or a 400 naming the first field it cannot take."""
+    tool_choice = body.get("tool_choice") if isinstance(body, dict) else None
     body = refuse_what_asks_for_something(body, RESPONSES_NO_OPS)
     for name, no_ops in (("text", TEXT_NO_OPS), ("stream_options", STREAM_OPTIONS_NO_OPS)):
         if isinstance(body.get(name), dict):
@@ -292,7 +294,7 @@ def parse_request(body: dict) -> ParsedResponsesRequest:
         items: list[InputItem] = [MessageItem(role="user", content=fields.input)]
     else:
         items = [parse_item(item, f"input[{i}]") for i, item in enumerate(fields.input)]
-    return ParsedResponsesRequest(fields, items)
+    return ParsedResponsesRequest(fields, items, tool_choice)
 
 
 # -- the conversation --------------------------------------------------------------------------

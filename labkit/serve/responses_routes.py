@@ -40,14 +40,9 @@ def responses_router(path: RequestPath) -> APIRouter:
         arrival = time.perf_counter()
         marks = {"arrival": arrival}
         with path.refusals_counted("responses"):
-            path.refuse_while_draining()
-            key = path.authenticate(request)
-            body = await path.read_body(request)
-            marks["read"] = time.perf_counter()
-            parsed = parse_request(body)
+            key, parsed = await path.receive(request, parse_request, marks,
+                                             model_of=lambda parsed: parsed.fields.model)
             fields = parsed.fields
-            marks["parsed"] = time.perf_counter()
-            path.check_model(fields.model)
             messages = messages_of(parsed)
             try:
                 ids = await prompt_ids.chat_ids(messages, path.tokenizer, path.vocab_size)
@@ -63,7 +58,7 @@ def responses_router(path: RequestPath) -> APIRouter:
                               tenant_of(key))
             streams = path.start(work)
         call = path.call(work, streams, user=fields.user, metadata=fields.metadata)
-        echo = Echo.of(fields, path.settings.model_name, body.get("tool_choice"))
+        echo = Echo.of(fields, path.settings.model_name, parsed.tool_choice)
         if fields.stream:
             sequence = EventSequence(work.response_id, call.created, echo)
             return call.stream_as(request, ResponsesStreamWriter(sequence))
