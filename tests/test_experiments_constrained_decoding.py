@@ -256,3 +256,18 @@ def test_grammar_engines_time_both_on_the_same_schemas(model):
     assert runs.walk_tokens == person["walk tokens"] > 0
     verdicts = gc.engine_verdicts(runs)
     assert verdicts["compile"].samples_a == 3 and verdicts["mask"].name_b == "xgrammar"
+
+
+def test_the_engines_disagree_on_properties_without_a_type(model, library):
+    """JSON Schema: `properties` without `type` constrains objects only, so a string is valid.
+    llguidance allows it; xgrammar reads the schema as an object and refuses the first token."""
+    pytest.importorskip("xgrammar", reason="xgrammar is the optional cross-check (Makefile installs it)")
+    from labkit.structured.xgr import XGrammarBackend
+
+    schema = {"properties": {"a": {"type": "string"}}}
+    assert cd.validator(schema).is_valid("just a string")
+    tokens = model.tokenizer.encode('"just a string"')
+    fmt = ResponseFormat.json_schema(schema)
+    assert gc.refuses_at(library.compile(fmt), tokens) is None
+    assert gc.refuses_at(XGrammarBackend(model.tokenizer, model.config.vocab_size).compile(fmt), tokens) == 0
+    assert gc.refuses_at(library.compile(fmt), model.tokenizer.encode('{"a": 1}')) is not None

@@ -115,9 +115,11 @@ class EngineRuns:
 
 def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], repeats: int) -> EngineRuns:
     """Compile every schema in both engines (no cache) `repeats` times and time the mask along
-    one seeded walk of each schema (llguidance's masks, EOS when allowed). Schemas one engine
-    refuses count against its coverage; both totals cover only the schemas both compile, so
-    the two are timed on the same work."""
+    one seeded walk of each schema (llguidance's masks, EOS when allowed). A schema an engine
+    refuses to compile, or whose walk it refuses (the two disagree on what the schema allows:
+    xgrammar, for one, reads `properties` without `type` as "an object", where JSON Schema
+    allows any value), counts against that engine's coverage; both totals cover only the
+    schemas both take, so the two are timed on the same work."""
     from labkit.structured.xgr import XGrammarBackend  # optional dependency: import where asked
 
     engines = {"llguidance": LLGuidanceBackend(tokenizer, vocab, cache_size=0),
@@ -134,6 +136,12 @@ def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], repeats: in
                 continue
             if engine_name == "llguidance":
                 walks[name] = walk_tokens(grammar, vocab, tokenizer.eos_token_id, seed=index)
+            elif name in walks:
+                stuck = refuses_at(grammar, walks[name])
+                if stuck is not None:  # the engines disagree on the schema's language
+                    text = tokenizer.decode(walks[name][:stuck + 1])[-40:]
+                    refused[engine_name][name] = (f"refuses a text llguidance allows, at token {stuck}: "
+                                                  f"{text!r}")
     both = [n for n in schemas if n not in refused["llguidance"] and n not in refused["xgrammar"]]
     compile_ms = {(e, n): [] for e in engines for n in both}
     mask_us = {(e, n): [] for e in engines for n in both}
@@ -166,6 +174,12 @@ def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], repeats: in
             row[f"{engine_name} refuses"] = refused[engine_name].get(name, "")
         rows.append(row)
     return EngineRuns(rows, compile_totals, mask_means, refused, sum(len(walks[n]) for n in both))
+
+
+def refuses_at(grammar, token_ids: list[int]) -> int | None:
+    """The index of the first token a fresh matcher of `grammar` refuses (None: it takes all)."""
+    matcher = grammar.new_matcher()
+    return next((k for k, token in enumerate(token_ids) if not matcher.consume(token)), None)
 
 
 def engine_verdicts(runs: EngineRuns) -> dict[str, Comparison]:
