@@ -192,8 +192,8 @@ def test_choice_none_renders_no_tools_and_results_join_one_user_turn():
     assert plain[3]["content"].count("<tool_response>") == 2
     offered = render_turns(conversation, SPECS, ToolChoice("auto"))
     assert "<tools>" in offered[0]["content"] and "book_room" in offered[0]["content"]
-    named = render_turns(conversation, SPECS, ToolChoice("named", "get_weather"))
-    assert "book_room" not in named[0]["content"]
+    for choice in (ToolChoice("named", "get_weather"), ToolChoice("required", parallel=False)):
+        assert render_turns(conversation, SPECS, choice) == offered  # the same prompt: the cache keeps it
 
 
 def test_tool_output_cannot_forge_a_role_on_the_token_ids(smol):

@@ -52,16 +52,11 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 TOOL_PROMPT = """You can call tools. To call one, reply with only this, on one line:
 <tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call>
-{how_many}
 The tools:
 <tools>
 {tools}
 </tools>
 Each result comes back as <tool_response>{{"name": ..., "content": ...}}</tool_response>. Use it to answer."""
-HOW_MANY = {"auto": "Call a tool only when you need one; otherwise answer in text.",
-            "required": "You must call at least one tool.",
-            "named": "You must call the tool {name}."}
-ONE_AT_A_TIME = " Call one tool at a time."
 
 
 class ToolUseError(ValueError):
@@ -198,16 +193,13 @@ def check_choice(specs: Sequence[ToolSpec], choice: ToolChoice) -> None:
         raise ToolUseError(f"tool choice {choice.mode!r} needs tools", "tool_choice")
 
 
-def tool_prompt(specs: Sequence[ToolSpec], choice: ToolChoice) -> str | None:
-    """The system text that describes the tools (None for choice none or no tools)."""
+def tool_prompt(specs: Sequence[ToolSpec], choice: ToolChoice = ToolChoice("auto")) -> str | None:
+    """The system text that describes the tools (None for choice none or no tools). It is the
+    same for every other choice: what a reply must be is the grammar's to force, and a prompt
+    that stays the same from turn to turn is one the prefix cache keeps serving."""
     if choice.mode == "none" or not specs:
         return None
-    how = HOW_MANY[choice.mode].format(name=choice.name)
-    if not choice.parallel:
-        how += ONE_AT_A_TIME
-    shown = [s for s in specs if choice.mode != "named" or s.name == choice.name]
-    return TOOL_PROMPT.format(how_many=how, tools="\n".join(json.dumps(s.described(), ensure_ascii=False)
-                                                            for s in shown))
+    return TOOL_PROMPT.format(tools="\n".join(json.dumps(s.described(), ensure_ascii=False) for s in specs))
 
 
 # -- the conversation --------------------------------------------------------------------------
