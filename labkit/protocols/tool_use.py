@@ -315,6 +315,11 @@ def judge_block(block: str, specs: Sequence[ToolSpec] | None, make_id: Callable[
                                arguments=body)
     name, arguments = value["name"], value.get("arguments", {})
     shown = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            return InvalidToolCall(call_id, block, f"the arguments are not JSON: {error}", name, shown)
     if not isinstance(arguments, dict):
         return InvalidToolCall(call_id, block, "the arguments must be a JSON object", name, shown)
     if specs is not None:
