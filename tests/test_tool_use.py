@@ -103,7 +103,10 @@ REPLIES = [
     (block("launch_missiles", {}), None, [], ["no tool named 'launch_missiles'"]),
     ("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": </tool_call>", None, [], ["not JSON"]),
     ("<tool_call>[1, 2]</tool_call>", None, [], ['a call is {"name"']),
-    ('<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>', None, [], ["must be a JSON object"]),
+    ('<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>', None, [], ["arguments are not JSON"]),
+    ('<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>', None, [], ["must be a JSON object"]),
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"X\\", \\"unit\\": \\"c\\"}"}</tool_call>',
+     "", ["get_weather"], []),  # arguments as a JSON string, as some models write them
     ("Sure <tool_call>" + GOOD[11:-12], None, [], ["without </tool_call>"]),
     ("  Just text, no calls.\n", "Just text, no calls.", [], []),
 ]

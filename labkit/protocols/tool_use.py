@@ -177,6 +177,9 @@ def check_tools(specs: Sequence[ToolSpec], compile: Callable[[ResponseFormat], A
         except jsonschema.SchemaError as error:
             raise ToolUseError(f"{where}: not a valid JSON Schema for {spec.name!r}: {error.message}",
                                where) from None
+        except Exception as error:  # noqa: BLE001 - e.g. a "$schema" that is not a string
+            raise ToolUseError(f"{where}: not a valid JSON Schema for {spec.name!r}: "
+                               f"{type(error).__name__}: {error}", where) from None
         if compile is not None:
             try:
                 compile(ResponseFormat.json_schema(schema))
@@ -333,8 +336,11 @@ def judge_block(block: str, specs: Sequence[ToolSpec] | None, make_id: Callable[
 
 
 def argument_problem(spec: ToolSpec, arguments: dict) -> str | None:
-    validator = jsonschema.validators.validator_for(spec.parameters)(spec.parameters)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    try:
+        validator = jsonschema.validators.validator_for(spec.parameters)(spec.parameters)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    except Exception as failure:  # noqa: BLE001 - a schema jsonschema cannot apply (an unresolvable $ref)
+        return f"the schema of {spec.name!r} could not be applied to the arguments: {type(failure).__name__}"
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(the arguments)"
