@@ -303,7 +303,8 @@ class ChatTurn(ChatMessage):
     def __get_pydantic_json_schema__(cls, core_schema, handler):
         """What `/openapi.json` says a message is: one of the three shapes `check_turns` takes
         (the model itself has every field optional, so that a refusal names the field)."""
-        return {"oneOf": [handler(shape.__pydantic_core_schema__) for shape in (PlainTurn, AssistantTurn, ToolTurn)]}
+        shapes = (PlainTurn, AssistantTurn, ToolTurn)
+        return {"oneOf": [handler(shape.__pydantic_core_schema__) for shape in shapes]}
 
 
 Content = Union[str, Annotated[list[TextPart], Field(min_length=1)]]
@@ -451,7 +452,8 @@ def check_turns(messages: list[ChatTurn]) -> None:
     be null; a tool turn has a tool_call_id and content; no other turn has either."""
     for i, m in enumerate(messages):
         if m.tool_calls is not None and m.role != "assistant":
-            raise invalid(f"messages[{i}]: only an assistant message has tool_calls", f"messages[{i}].tool_calls")
+            raise invalid(f"messages[{i}]: only an assistant message has tool_calls",
+                          f"messages[{i}].tool_calls")
         if (m.tool_call_id is not None) != (m.role == "tool"):
             raise invalid(f"messages[{i}]: a tool message has a tool_call_id, and only a tool message does",
                           f"messages[{i}].tool_call_id",
