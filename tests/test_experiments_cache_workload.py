@@ -55,10 +55,10 @@ def test_another_api_key_finds_nothing_of_the_first_keys_prompts(model, tmp_path
 
 @pytest.mark.slow
 def test_under_eviction_the_contract_is_an_upper_bound_and_some_turns_fall_short(model):
-    """Three conversations in a pool of 20 blocks, which holds any one turn but not all they
-    share: least-recently-used blocks are given back, so later turns read less than the
-    contract (which keeps everything) predicts, and never more."""
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "320", "--max-model-len", "320") as server:
+    """Three conversations in a pool of 18 blocks, which holds any one turn but not what they
+    leave behind together: least-recently-used blocks are given back, so a later turn reads
+    less than the contract (which keeps everything) predicts, and none reads more."""
+    with LiveServer("--model", MODEL, "--kv-cache-tokens", "288", "--max-model-len", "288") as server:
         system = cw.system_prompt(model.tokenizer, 200)
         played = cw.play(server.url, MODEL, system, conversations=3, turns=2, max_tokens=8, cold=False)
     requests = cw.as_cache_requests(played, model.tokenizer)
