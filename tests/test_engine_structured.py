@@ -69,6 +69,10 @@ def test_fifty_seeds_at_temperature_one_all_validate_or_say_length(model, smol_e
     outs = smol_engine.generate([prompt] * 50, params)
     check_outputs(outs, at_least_complete=35)
     assert smol_engine.mask_clock.tokens > 0 and smol_engine.mask_clock.seconds > 0
+    # every mask filled belongs to one timed step, so the per-step record adds up to the token count
+    clock = smol_engine.mask_clock
+    assert clock.steps and sum(rows for _, rows in clock.steps) == clock.tokens
+    assert all(seconds > 0 and 1 <= rows <= 50 for seconds, rows in clock.steps)
     assert no_blocks_held(smol_engine)
 
 

@@ -95,7 +95,7 @@ class ScriptedEngine:
         for p in params:
             text, tokens = self.script[(p.response_format is not None, p.seed)]
             sample = SimpleNamespace(text=text, token_ids=list(range(tokens)), finish_reason="stop")
-            outs.append(SimpleNamespace(samples=[sample]))
+            outs.append(SimpleNamespace(samples=[sample], text=text))
         return outs
 
 
@@ -131,6 +131,38 @@ def test_repair_counts_every_token_a_sequential_client_pays():
     assert remask["valid in the end"] == 3
     assert remask["output tokens per request"] == pytest.approx((10 + (20 + 11) + (30 + 12)) / 3)
     assert rows["constrained from the start"]["output tokens per request"] == 8
+
+
+@pytest.mark.parametrize("text,repaired", [
+    ('Sure: {"a": 1, "b": [1, 2,', '{"a": 1, "b": [1, 2]}'),
+    ('```json\n{"a": "hel', '{"a": "hel"}'),
+    ('{"a": 1} and then {"b"', '{"a": 1}'),
+    ('{"a": 1, "b":', '{"a": 1}'),
+    ('{"a": 1, "b', '{"a": 1}'),
+    ('{"a": [1, 2,], }', '{"a": [1, 2]}'),
+    ('[1, 2]]', '[1, 2]'),
+    ('{"a": "say \\"hi', '{"a": "say \\"hi"}'),
+    ("no json here", None),
+])
+def test_repair_text_closes_and_cuts(text, repaired):
+    out = cd.repair_text(text)
+    assert out == repaired
+    if out is not None:
+        json.loads(out)  # every case above repairs to text json accepts
+
+
+def test_repair_is_counted_at_no_extra_tokens():
+    schemas = {"person": PERSON}
+    cut = '{"name": "A", "age": 3, "vegan": true'
+    plain = [cd.judge("person", PERSON, False, SimpleNamespace(temperature=1.0, seed=s), t, range(10), "length")
+             for s, t in ((0, cut), (1, "not json"))]
+    engine = ScriptedEngine({(False, 1000): ("x", 1), (False, 1001): ("x", 1),
+                             (True, 1000): ("x", 1), (True, 1001): ("x", 1)})
+    rows = {r["strategy"]: r for r in cd.repair_rows(
+        cd.repair_run(engine, PlainTokenizer(), schemas, plain, [], retries=1, max_tokens=50))}
+    fixed = rows["repair the text"]
+    assert fixed["valid in the end"] == 1 and fixed["output tokens per request"] == 10
+    assert rows["validate only"]["valid in the end"] == 0
 
 
 # --------------------------------------------------------------------------- valid but wrong
@@ -174,6 +206,20 @@ def test_semantic_checks_catch_what_the_schema_cannot():
     assert cd.semantic_checks(copy, older) == {"name copied": True, "age copied": False, "city copied": True}
     judged = cd.Judged(copy, 0, "", True, cd.semantic_checks(copy, older))
     assert not judged.right and cd.semantic_rows([judged])[0]["valid but wrong"] == 1
+
+
+def test_free_semantic_replies_are_repaired_then_judged():
+    task = cd.semantic_tasks(1, seed=0)[0]  # a "copy" task: name, age, city from the prompt
+    right = json.dumps(task.expected)
+    engine = ScriptedEngine({(False, 0): ("Here it is: " + right[:-1] + ",", 5)})
+    [free] = cd.semantic_run(engine, PlainTokenizer(), [task], [0], temperature=0.0, max_tokens=9,
+                             constrained=False, repair=True)
+    assert not free.constrained and free.repaired and free.valid and free.right
+    [raw] = cd.semantic_run(engine, PlainTokenizer(), [task], [0], temperature=0.0, max_tokens=9,
+                            constrained=False)
+    assert not raw.valid and not raw.repaired
+    row = cd.semantic_rows([free])[0]
+    assert row["valid only after repair"] == 1 and row["mask"] == "none, then repaired"
 
 
 def test_prompts_go_through_the_chat_template_only_where_asked(model):
@@ -243,19 +289,42 @@ def test_pick_goes_by_coverage_then_compile_then_mask():
     assert "noise" in gc.pick_engine({"compile": tie, "mask": tie}, none)[1]
 
 
-def test_grammar_engines_time_both_on_the_same_schemas(model):
+def test_grammar_engines_time_both_on_the_same_replies(model):
     pytest.importorskip("xgrammar", reason="xgrammar is the optional cross-check (Makefile installs it)")
     schemas = {"person": PERSON, "refused": {"type": "object", "properties": {"a": {"type": "string",
                                                                                   "pattern": "(("}}}}
-    runs = gc.grammar_engines(model.tokenizer, model.config.vocab_size, schemas, repeats=3)
+    reply = model.tokenizer.encode('{"name": "Ann", "age": 3, "vegan": true}')
+    runs = gc.grammar_engines(model.tokenizer, model.config.vocab_size, schemas, {"person": [reply]},
+                              repeats=3, xgrammar_threads=1)
     assert set(runs.refused["llguidance"]) == {"refused"} and "refused" in runs.refused["xgrammar"]
-    assert all(len(v) == 3 and min(v) > 0 for v in (*runs.compile_totals.values(), *runs.mask_means.values()))
+    assert runs.compile_ms["llguidance"].keys() == runs.mask_us["xgrammar"].keys() == {"person"}
     person, refused = runs.rows
-    assert person["llguidance compile (ms)"] > 0 and person["xgrammar mask (us/token)"] > 0
+    assert person["llguidance compile (ms)"] > 0 and person["xgrammar mask (us/step, median)"] > 0
     assert refused["llguidance compile (ms)"] is None and refused["llguidance refuses"]
-    assert runs.walk_tokens == person["walk tokens"] > 0
-    verdicts = gc.engine_verdicts(runs)
-    assert verdicts["compile"].samples_a == 3 and verdicts["mask"].name_b == "xgrammar"
+    assert runs.text_tokens == person["reply tokens"] == len(reply) and runs.xgrammar_threads == 1
+    verdicts = gc.engine_verdicts(runs)  # one schema: an interval that says nothing
+    assert verdicts["compile"].verdict == "within the noise" and verdicts["mask"].name_b == "xgrammar"
+
+
+def test_step_mask_times_one_per_step_and_the_end(model, library):
+    grammar = library.compile(ResponseFormat.json_schema(PERSON))
+    text = model.tokenizer.encode('{"name": "Ann", "age": 3, "vegan": true}')
+    times = gc.step_mask_us(grammar, text, model.config.vocab_size)
+    assert len(times) == len(text) + 1 and min(times) > 0
+    with pytest.raises(ValueError):
+        gc.step_mask_us(grammar, model.tokenizer.encode("[1]"), model.config.vocab_size)
+
+
+def test_paired_ratio_is_the_geometric_mean_over_schemas():
+    a = {"s1": 1.0, "s2": 2.0, "s3": 4.0, "s4": 1.0}
+    b = {"s1": 2.0, "s2": 8.0, "s3": 4.0, "s4": 2.0, "only_b": 9.0}
+    r = gc.paired_ratio(a, b, name_a="a", name_b="b")
+    assert r.ratio == pytest.approx((2 * 4 * 1 * 2) ** 0.25) and r.samples_a == 4
+    assert r.low <= r.ratio <= r.high
+    twice = gc.paired_ratio(a, {k: 2 * v for k, v in a.items()}, name_a="a", name_b="b")
+    assert twice.ratio == pytest.approx(2.0) and twice.low == pytest.approx(2.0) and twice.verdict == "faster"
+    mixed = gc.paired_ratio(a, {"s1": 3.0, "s2": 1.0, "s3": 12.0, "s4": 0.5}, name_a="a", name_b="b")
+    assert mixed.verdict == "within the noise"
 
 
 def test_the_engines_disagree_on_properties_without_a_type(model, library):

@@ -64,6 +64,66 @@ def lenient_value(text: str):
     return False, None
 
 
+def repair_text(text: str) -> str | None:
+    """A text repair of the kind json-repair-style libraries do, written out: skip to the first
+    `{` or `[`, keep the first balanced JSON value (cut what follows; trailing commas before a
+    closer dropped, closers that match nothing dropped), and if the text ends
+    inside it, close an open string, drop a dangling `,` or `:` (and a key left without a
+    value), and close the open brackets. None when the text has no `{` or `[`. The result may
+    still fail to parse (a half-written number or literal); it is not checked here."""
+    start = next((k for k, c in enumerate(text) if c in "{["), None)
+    if start is None:
+        return None
+    stack, in_string, escaped, out = [], False, False, []
+    for char in text[start:]:
+        out.append(char)
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            stack.append("}" if char == "{" else "]")
+        elif char in "}]":
+            if not stack or stack[-1] != char:
+                out.pop()  # a closer that matches nothing open: drop it
+                continue
+            before = "".join(out[:-1]).rstrip()
+            if before.endswith(","):  # a trailing comma before the closer
+                out = [*before[:-1], char]
+            stack.pop()
+            if not stack:
+                return "".join(out)  # the first balanced value; what follows is chatter
+    body = "".join(out)
+    if escaped:
+        body = body[:-1]
+    if in_string:
+        body += '"'
+    body = body.rstrip()
+    while True:  # a dangling separator, or a key whose value never came
+        trimmed = body.rstrip().rstrip(",:").rstrip()
+        if stack and stack[-1] == "}" and trimmed.endswith('"'):
+            key_start = trimmed[:-1].rfind('"')
+            before = trimmed[:key_start].rstrip()
+            if body.rstrip().endswith(":") or before.endswith(("{", ",")):
+                trimmed = before.rstrip(",").rstrip()
+        if trimmed == body:
+            break
+        body = trimmed
+    return body + "".join(reversed(stack))
+
+
+def repaired_value(text: str, schema: dict):
+    """(parsed, valid, value) of `repair_text(text)`: does the repaired text parse, and validate?"""
+    fixed = repair_text(text)
+    parsed, value = strict_value(fixed) if fixed is not None else (False, None)
+    return parsed, bool(parsed and validator(schema).is_valid(value)), value
+
+
 # -------------------------------------------------------------------------- validity
 
 
@@ -167,10 +227,11 @@ class Repaired:
 
 def repair_run(engine, tokenizer, schemas: dict[str, dict], plain: Sequence[Attempt],
                constrained: Sequence[Attempt], *, retries: int, max_tokens: int) -> list[Repaired]:
-    """Four ways to get a valid reply for the same requests (`plain`: their first, unconstrained
+    """Five ways to get a valid reply for the same requests (`plain`: their first, unconstrained
     attempts; `constrained`: the same requests under the mask from the start):
 
     - validate only: the first reply, validated; an invalid one is an error to the caller;
+    - repair the text: an invalid first reply is put through `repair_text` and validated again;
     - retry: validate, and sample again unconstrained (a new seed) up to `retries` times;
     - constrained retry: validate, and regenerate once under the mask if invalid;
     - constrained from the start.
@@ -188,6 +249,8 @@ def repair_run(engine, tokenizer, schemas: dict[str, dict], plain: Sequence[Atte
     for a in plain:
         key, first = (a.schema, a.seed), len(a.token_ids)
         out.append(Repaired("validate only", a.schema, a.seed, a.strict_valid, first, 1))
+        out.append(Repaired("repair the text", a.schema, a.seed,
+                            a.strict_valid or repaired_value(a.text, schemas[a.schema])[1], first, 1))
         tokens, generations, valid = first, 1, a.strict_valid
         for again in ([] if a.strict_valid else retried[key]):
             tokens, generations, valid = tokens + len(again.token_ids), generations + 1, again.strict_valid
@@ -293,8 +356,10 @@ class Judged:
     task: Task
     seed: int
     text: str
-    valid: bool
+    valid: bool          # schema-valid as written (or, with repair, after `repair_text`)
     checks: dict[str, bool]
+    constrained: bool = True
+    repaired: bool = False   # valid only after `repair_text`
 
     @property
     def right(self) -> bool:
@@ -302,28 +367,36 @@ class Judged:
 
 
 def semantic_run(engine, tokenizer, tasks: Sequence[Task], seeds: Sequence[int], *, temperature: float,
-                 max_tokens: int) -> list[Judged]:
-    """Each task under its schema's mask: is the reply valid, and is it right?"""
+                 max_tokens: int, constrained: bool = True, repair: bool = False) -> list[Judged]:
+    """Each task with its schema in the prompt, under the schema's mask or free: is the reply
+    valid, and is it right? With `repair`, a reply that is not valid as written is read through
+    `repair_text` (the facts are then checked on the repaired value)."""
     prompts = [schema_prompt(tokenizer, t.schema, t.prompt) for t in tasks for _ in seeds]
     params = [SamplingParams(temperature=temperature, seed=s, max_tokens=max_tokens,
-                             response_format=ResponseFormat.json_schema(t.schema))
+                             response_format=ResponseFormat.json_schema(t.schema) if constrained else None)
               for t in tasks for s in seeds]
     outs = engine.generate(prompts, params)
     judged = []
     for (task, seed), out in zip([(t, s) for t in tasks for s in seeds], outs):
         parsed, value = strict_value(out.text)
-        valid = parsed and validator(task.schema).is_valid(value)
-        judged.append(Judged(task, seed, out.text, valid, semantic_checks(task, value) if valid else {}))
+        valid, repaired = bool(parsed and validator(task.schema).is_valid(value)), False
+        if repair and not valid:
+            _, valid, value = repaired_value(out.text, task.schema)
+            repaired = valid
+        judged.append(Judged(task, seed, out.text, valid, semantic_checks(task, value) if valid else {},
+                             constrained, repaired))
     return judged
 
 
 def semantic_rows(judged: Sequence[Judged]) -> list[dict]:
     """Per kind of task: replies, schema-valid, and valid but wrong (some fact wrong)."""
     rows = []
-    for kind in dict.fromkeys(j.task.kind for j in judged):
-        group = [j for j in judged if j.task.kind == kind]
+    for kind, constrained in dict.fromkeys((j.task.kind, j.constrained) for j in judged):
+        group = [j for j in judged if j.task.kind == kind and j.constrained == constrained]
         valid = [j for j in group if j.valid]
-        rows.append({"task": kind, "replies": len(group), "schema-valid": len(valid),
+        rows.append({"task": kind, "mask": "schema" if group[0].constrained else "none, then repaired",
+                     "replies": len(group), "schema-valid": len(valid),
+                     "valid only after repair": sum(j.repaired for j in group),
                      "valid and right": sum(j.right for j in valid),
                      "valid but wrong": sum(not j.right for j in valid)})
     return rows

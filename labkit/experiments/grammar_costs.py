@@ -10,17 +10,18 @@ the chapter's sizes.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from labkit.bench.structured import StructuredConfig, mask_seconds, throughput, walk_tokens
+from labkit.bench.structured import StructuredConfig, throughput
 from labkit.structured.contract import InvalidFormat, ResponseFormat, bitmask_words, unpack_bitmask
 from labkit.structured.json_fsm import FSMGrammar
 from labkit.structured.llg import LLGuidanceBackend
-from labkit.util.compare import Comparison, compare
+from labkit.util.compare import MIN_SAMPLES, Comparison, compare
 
 # -------------------------------------------------------------------------- the automaton, step by step
 
@@ -102,31 +103,35 @@ def automaton_agreement(tokenizer, vocab: int, library, texts: dict[str, list[li
 
 @dataclass(frozen=True)
 class EngineRuns:
-    """Per schema and engine: median compile ms and mask us per token over `repeats`; per
-    repeat: the whole set's compile seconds and mean mask seconds per token (the samples the
-    verdicts compare); and which schemas each engine refused, with its reason."""
+    """Per schema and engine: median compile ms over `repeats`, and the median mask us per step
+    along the model's own constrained replies (each step timed apart; the median over steps,
+    then over repeats); which schemas each engine refused, with its reason; and the threads
+    xgrammar compiled with."""
 
     rows: list[dict]
-    compile_totals: dict[str, list[float]]
-    mask_means: dict[str, list[float]]
+    compile_ms: dict[str, dict[str, float]]   # engine -> schema -> median ms
+    mask_us: dict[str, dict[str, float]]      # engine -> schema -> median us per step
     refused: dict[str, dict[str, str]]
-    walk_tokens: int
+    text_tokens: int
+    xgrammar_threads: int
 
 
-def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], repeats: int) -> EngineRuns:
-    """Compile every schema in both engines (no cache) `repeats` times and time the mask along
-    one seeded walk of each schema (llguidance's masks, EOS when allowed). A schema an engine
-    refuses to compile, or whose walk it refuses (the two disagree on what the schema allows:
+def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], texts: dict[str, list[list[int]]],
+                    repeats: int, xgrammar_threads: int = 1) -> EngineRuns:
+    """Compile every schema in both engines (no cache) `repeats` times and time each engine's
+    mask at every step of the token sequences the model produced under the mask (`texts`,
+    per schema; llguidance's masks, as labkit's engine runs it). A schema an engine refuses
+    to compile, or whose replies it refuses (the two disagree on what the schema allows:
     xgrammar, for one, reads `properties` without `type` as "an object", where JSON Schema
-    allows any value), counts against that engine's coverage; both totals cover only the
-    schemas both take, so the two are timed on the same work."""
+    allows any value), counts against that engine's coverage; times cover only the schemas
+    both take, so the two are timed on the same work, schema by schema."""
     from labkit.structured.xgr import XGrammarBackend  # optional dependency: import where asked
 
     engines = {"llguidance": LLGuidanceBackend(tokenizer, vocab, cache_size=0),
-               "xgrammar": XGrammarBackend(tokenizer, vocab)}
+               "xgrammar": XGrammarBackend(tokenizer, vocab, max_threads=xgrammar_threads)}
     refused: dict[str, dict[str, str]] = {name: {} for name in engines}
-    walks: dict[str, list[int]] = {}
-    for index, (name, schema) in enumerate(schemas.items()):
+    kept: dict[str, list[list[int]]] = {}
+    for name, schema in schemas.items():
         fmt = ResponseFormat.json_schema(schema)
         for engine_name, engine in engines.items():
             try:
@@ -134,46 +139,74 @@ def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], repeats: in
             except InvalidFormat as error:
                 refused[engine_name][name] = str(error).splitlines()[0][:160]
                 continue
-            if engine_name == "llguidance":
-                walks[name] = walk_tokens(grammar, vocab, tokenizer.eos_token_id, seed=index)
-            elif name in walks:
-                stuck = refuses_at(grammar, walks[name])
-                if stuck is not None:  # the engines disagree on the schema's language
-                    text = tokenizer.decode(walks[name][:stuck + 1])[-40:]
-                    refused[engine_name][name] = (f"refuses a text llguidance allows, at token {stuck}: "
-                                                  f"{text!r}")
-    both = [n for n in schemas if n not in refused["llguidance"] and n not in refused["xgrammar"]]
-    compile_ms = {(e, n): [] for e in engines for n in both}
-    mask_us = {(e, n): [] for e in engines for n in both}
-    compile_totals = {e: [] for e in engines}
-    mask_means = {e: [] for e in engines}
+            if engine_name == "llguidance":  # drop a trailing stop token the engine allowed besides the grammar
+                kept[name] = [t[:k] if (k := refuses_at(grammar, t)) is not None else t
+                              for t in texts.get(name, [])]
+            elif name in kept:
+                for text in kept[name]:
+                    stuck = refuses_at(grammar, text)
+                    if stuck is not None:  # the engines disagree on the schema's language
+                        tail = tokenizer.decode(text[:stuck + 1])[-40:]
+                        refused[engine_name][name] = (f"refuses a reply llguidance allows, at token {stuck}: "
+                                                      f"{tail!r}")
+                        break
+    both = [n for n in schemas if n not in refused["llguidance"] and n not in refused["xgrammar"]
+            and any(kept.get(n, []))]
+    compile_runs = {(e, n): [] for e in engines for n in both}
+    mask_runs = {(e, n): [] for e in engines for n in both}
     for repeat in range(repeats):
         order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
-        for engine_name in order:
-            engine, spent, masked, tokens = engines[engine_name], 0.0, 0.0, 0
-            for name in both:
-                grammar = engine.compile(ResponseFormat.json_schema(schemas[name]))
-                spent += grammar.compile_seconds
-                per_token = mask_seconds(grammar, walks[name], vocab)
-                if per_token is None:
-                    raise AssertionError(f"{engine_name} refuses llguidance's walk of {name}")
-                masked += per_token * len(walks[name])
-                tokens += len(walks[name])
-                compile_ms[engine_name, name].append(grammar.compile_seconds * 1e3)
-                mask_us[engine_name, name].append(per_token * 1e6)
-            compile_totals[engine_name].append(spent)
-            mask_means[engine_name].append(masked / max(1, tokens))
+        for name in both:
+            for engine_name in order:
+                grammar = engines[engine_name].compile(ResponseFormat.json_schema(schemas[name]))
+                compile_runs[engine_name, name].append(grammar.compile_seconds * 1e3)
+                steps = [us for text in kept[name] for us in step_mask_us(grammar, text, vocab)]
+                mask_runs[engine_name, name].append(statistics.median(steps))
+    compile_ms = {e: {n: statistics.median(compile_runs[e, n]) for n in both} for e in engines}
+    mask_us = {e: {n: statistics.median(mask_runs[e, n]) for n in both} for e in engines}
     rows = []
     for name in schemas:
-        row = {"schema": name, "walk tokens": len(walks.get(name, []))}
+        row = {"schema": name, "reply tokens": sum(len(t) for t in kept.get(name, []))}
         for engine_name in engines:
-            timed = name in both
-            key = (engine_name, name)
-            row[f"{engine_name} compile (ms)"] = statistics.median(compile_ms[key]) if timed else None
-            row[f"{engine_name} mask (us/token)"] = statistics.median(mask_us[key]) if timed else None
+            row[f"{engine_name} compile (ms)"] = compile_ms[engine_name].get(name)
+            row[f"{engine_name} mask (us/step, median)"] = mask_us[engine_name].get(name)
             row[f"{engine_name} refuses"] = refused[engine_name].get(name, "")
         rows.append(row)
-    return EngineRuns(rows, compile_totals, mask_means, refused, sum(len(walks[n]) for n in both))
+    return EngineRuns(rows, compile_ms, mask_us, refused, sum(len(t) for n in both for t in kept[n]),
+                      xgrammar_threads)
+
+
+def step_mask_us(grammar, token_ids: list[int], vocab: int) -> list[float]:
+    """Each step's mask time (us) along `token_ids`, timed apart, the last (after the text) included."""
+    matcher, out, times = grammar.new_matcher(), torch.zeros(bitmask_words(vocab), dtype=torch.int32), []
+    for token in [*token_ids, None]:
+        started = time.perf_counter()
+        matcher.fill_bitmask(out)
+        times.append((time.perf_counter() - started) * 1e6)
+        if token is None:
+            break
+        if not matcher.consume(token):
+            raise ValueError(f"token {token} refused: the text is not of this grammar's language")
+    return times
+
+
+def paired_ratio(a: dict[str, float], b: dict[str, float], *, name_a: str, name_b: str,
+                 confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> Comparison:
+    """b over a, paired by schema: the geometric mean over schemas of b's time / a's time, with a
+    percentile bootstrap over the schemas (the unit that varies). Above 1: `a` took less time.
+    Fewer than three schemas give an interval that says nothing (0 to infinity)."""
+    names = [n for n in a if n in b and a[n] > 0 and b[n] > 0]
+    logs = torch.tensor([math.log(b[n] / a[n]) for n in names], dtype=torch.float64)
+    if len(names) < MIN_SAMPLES:
+        ratio = float(logs.mean().exp()) if names else float("nan")
+        return Comparison(name_a, name_b, ratio, 0.0, float("inf"), confidence, len(names), len(names))
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(names), (resamples, len(names)), generator=generator)
+    means = logs[picks].mean(dim=1).exp()
+    tail = (1.0 - confidence) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64))
+    return Comparison(name_a, name_b, float(logs.mean().exp()), float(low), float(high), confidence,
+                      len(names), len(names))
 
 
 def refuses_at(grammar, token_ids: list[int]) -> int | None:
@@ -183,12 +216,12 @@ def refuses_at(grammar, token_ids: list[int]) -> int | None:
 
 
 def engine_verdicts(runs: EngineRuns) -> dict[str, Comparison]:
-    """llguidance against xgrammar: compile time of the set, and mask time per token (the
-    shared bootstrap of `labkit.util.compare`; "faster" means llguidance took less time)."""
-    return {"compile": compare(runs.compile_totals["llguidance"], runs.compile_totals["xgrammar"],
-                               name_a="llguidance", name_b="xgrammar"),
-            "mask": compare(runs.mask_means["llguidance"], runs.mask_means["xgrammar"],
-                            name_a="llguidance", name_b="xgrammar")}
+    """llguidance against xgrammar, paired by schema: compile time and median mask time per
+    step ("faster" means llguidance took less time, beyond the spread across schemas)."""
+    return {"compile": paired_ratio(runs.compile_ms["llguidance"], runs.compile_ms["xgrammar"],
+                                    name_a="llguidance", name_b="xgrammar"),
+            "mask": paired_ratio(runs.mask_us["llguidance"], runs.mask_us["xgrammar"],
+                                 name_a="llguidance", name_b="xgrammar")}
 
 
 def pick_engine(verdicts: dict[str, Comparison], refused: dict[str, dict[str, str]]) -> tuple[str, str]:

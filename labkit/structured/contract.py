@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -185,6 +185,10 @@ class MaskClock:
 
     seconds: float = 0.0
     tokens: int = 0
+    # One entry per decode step with constrained rows: (seconds for all that step's masks, filled
+    # and unpacked; constrained rows). A sum over a run hides the spread that a loaded machine's
+    # preemptions put into a few steps; per-step samples give a median and a tail.
+    steps: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def seconds_per_token(self) -> float | None:
