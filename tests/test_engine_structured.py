@@ -207,3 +207,17 @@ def test_gemma_eight_seeds_validate_or_say_length():
     outs = engine.generate([prompt] * 8, params)
     check_outputs(outs, at_least_complete=4)
     assert no_blocks_held(engine)
+
+
+def test_mask_clock_times_each_step_with_its_constrained_rows(model):
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=4096))
+    prompt = model.tokenizer.encode_chat(ASK)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, response_format=FORMAT if s < 2 else None)
+              for s in range(3)]
+    engine.generate([prompt] * 3, params)
+    clock = engine.mask_clock
+    # one entry per step with constrained rows, each row's mask counted once
+    assert sum(rows for _, rows in clock.steps) == clock.tokens > 0
+    assert {rows for _, rows in clock.steps} <= {1, 2} and len(clock.steps) <= 6
+    assert all(seconds > 0 for seconds, _ in clock.steps)
+    assert no_blocks_held(engine)

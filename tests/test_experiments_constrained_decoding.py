@@ -154,7 +154,8 @@ def test_repair_text_closes_and_cuts(text, repaired):
 def test_repair_is_counted_at_no_extra_tokens():
     schemas = {"person": PERSON}
     cut = '{"name": "A", "age": 3, "vegan": true'
-    plain = [cd.judge("person", PERSON, False, SimpleNamespace(temperature=1.0, seed=s), t, range(10), "length")
+    plain = [cd.judge("person", PERSON, False, SimpleNamespace(temperature=1.0, seed=s), t, range(10),
+                      "length")
              for s, t in ((0, cut), (1, "not json"))]
     engine = ScriptedEngine({(False, 1000): ("x", 1), (False, 1001): ("x", 1),
                              (True, 1000): ("x", 1), (True, 1001): ("x", 1)})

@@ -139,7 +139,8 @@ def grammar_engines(tokenizer, vocab: int, schemas: dict[str, dict], texts: dict
             except InvalidFormat as error:
                 refused[engine_name][name] = str(error).splitlines()[0][:160]
                 continue
-            if engine_name == "llguidance":  # drop a trailing stop token the engine allowed besides the grammar
+            # llguidance: drop a trailing stop token the engine allowed besides the grammar
+            if engine_name == "llguidance":
                 kept[name] = [t[:k] if (k := refuses_at(grammar, t)) is not None else t
                               for t in texts.get(name, [])]
             elif name in kept:
