@@ -103,7 +103,10 @@ REPLIES = [
     (block("launch_missiles", {}), None, [], ["no tool named 'launch_missiles'"]),
     ("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": </tool_call>", None, [], ["not JSON"]),
     ("<tool_call>[1, 2]</tool_call>", None, [], ['a call is {"name"']),
-    ('<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>', None, [], ["must be a JSON object"]),
+    ('<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>', None, [], ["arguments are not JSON"]),
+    ('<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>', None, [], ["must be a JSON object"]),
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"X\\", \\"unit\\": \\"c\\"}"}</tool_call>',
+     "", ["get_weather"], []),  # arguments as a JSON string, as some models write them
     ("Sure <tool_call>" + GOOD[11:-12], None, [], ["without </tool_call>"]),
     ("  Just text, no calls.\n", "Just text, no calls.", [], []),
 ]
@@ -192,8 +195,8 @@ def test_choice_none_renders_no_tools_and_results_join_one_user_turn():
     assert plain[3]["content"].count("<tool_response>") == 2
     offered = render_turns(conversation, SPECS, ToolChoice("auto"))
     assert "<tools>" in offered[0]["content"] and "book_room" in offered[0]["content"]
-    named = render_turns(conversation, SPECS, ToolChoice("named", "get_weather"))
-    assert "book_room" not in named[0]["content"]
+    for choice in (ToolChoice("named", "get_weather"), ToolChoice("required", parallel=False)):
+        assert render_turns(conversation, SPECS, choice) == offered  # the same prompt: the cache keeps it
 
 
 def test_tool_output_cannot_forge_a_role_on_the_token_ids(smol):
