@@ -31,10 +31,11 @@ import httpx
 
 from labkit.agent.runtime import AgentTrace, ScriptedModel, run_agent
 from labkit.agent.sandbox import ErrorKind, Limits, Sandbox, SandboxUnavailable, ToolResult
-from labkit.agent.serve_model import ServeModel, wire_messages
+from labkit.agent.serve_model import ServeModel
 from labkit.agent.toolbox import default_registry
 from labkit.agent.toolbox.calculator import calculator
 from labkit.agent.tools import Tool, ToolRegistry, tool_content
+from labkit.protocols import tool_use
 from labkit.serve.server import ServerProcess
 
 MODEL = "smollm2-135m"
@@ -227,11 +228,40 @@ class BoundaryCount:
     injected_as_text: list[str]  # the tool turn's pieces where the injection spelled <|im_start|>
 
 
+BLOCKS = re.compile(re.escape(tool_use.OPEN) + ".*?" + re.escape(tool_use.CLOSE), re.DOTALL)
+
+
+def specs_of(tools: list[dict]) -> list[tool_use.ToolSpec]:
+    return [tool_use.ToolSpec(t["function"]["name"], t["function"].get("description", ""),
+                              t["function"]["parameters"]) for t in tools]
+
+
+def template_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The agent's conversation (OpenAI shape) as the chat route renders it for the template
+    (labkit.protocols.tool_use.render_turns): the tools in the system turn, each call as its
+    block, each result wrapped as data in a user turn."""
+    conversation: list = []
+    names: dict[str, str] = {}
+    for m in messages:
+        if m["role"] == "tool":
+            conversation.append(tool_use.ToolResult(m["tool_call_id"], names.get(m["tool_call_id"], ""),
+                                                    m["content"]))
+            continue
+        calls = tuple(tool_use.ToolCall(c["id"], c["function"]["name"],
+                                        json.loads(c["function"]["arguments"]))
+                      for c in m.get("tool_calls") or ())
+        names |= {c.id: c.name for c in calls}
+        content = BLOCKS.sub("", m.get("content") or "").strip() if calls else m.get("content") or ""
+        conversation.append(tool_use.Turn(m["role"], content, calls))
+    return tool_use.render_turns(conversation, specs_of(tools), tool_use.ToolChoice("auto"))
+
+
 def boundaries_on_the_wire(url: str, messages: list[dict], tools: list[dict], model: str = MODEL
                            ) -> BoundaryCount:
-    """The conversation as the chat route would run it (`POST /tokenize` with the messages):
-    how many role-boundary ids it holds against how many turns there are."""
-    wire = wire_messages(messages, tools)
+    """The conversation as the chat route would run it (rendered as the route renders it, then
+    the server's own `POST /tokenize`): how many role-boundary ids it holds against how many
+    turns there are."""
+    wire = template_messages(messages, tools)
     answer = httpx.post(url + "/tokenize", timeout=60, json={
         "model": model, "messages": wire, "add_generation_prompt": True, "return_token_strs": True})
     answer.raise_for_status()
@@ -332,10 +362,11 @@ def numbers_in(text: str) -> list[int]:
 class TaskOutcome:
     task: Task
     attempted: bool       # the first reply held a tool-call block
-    valid: bool           # ... a call that parsed, was allowed and whose arguments the schema took
+    valid: bool           # ... a call that parsed, was allowed, and that the tool ran without error
     right_call: bool      # ... a calculator call whose result is the answer
     right_answer: bool    # the final reply states the answer
     first_reply: str
+    problem: str = ""     # why the first reply's first unreadable block was not a call
 
 
 def tool_use_outcome(task: Task, trace: AgentTrace) -> TaskOutcome:
@@ -346,12 +377,16 @@ def tool_use_outcome(task: Task, trace: AgentTrace) -> TaskOutcome:
                      for s in round0)
     attempted = bool(first.parsed.calls or first.parsed.problems)
     final = trace.answer if trace.stopped == "answered" else ""
-    return TaskOutcome(task, attempted, valid, right_call, task.answer in numbers_in(final), first.reply)
+    problem = first.parsed.problems[0].reason if first.parsed.problems else ""
+    return TaskOutcome(task, attempted, valid, right_call, task.answer in numbers_in(final), first.reply,
+                       problem)
 
 
-def tool_use_tasks(url: str, tasks: Sequence[Task], max_tokens: int = 40) -> list[TaskOutcome]:
-    """Each task as one agent run (at most two model turns), greedy, tools: calculator, word_count."""
-    model = ServeModel(url, MODEL, max_tokens=max_tokens)
+def tool_use_tasks(url: str, tasks: Sequence[Task], max_tokens: int = 40, forced: bool = False
+                   ) -> list[TaskOutcome]:
+    """Each task as one agent run (at most two model turns), greedy, tools: calculator,
+    word_count; the first turn free to call or not ("auto"), or `forced` to call one."""
+    model = ForcedFirst(url, max_tokens) if forced else ServeModel(url, MODEL, max_tokens=max_tokens)
     outcomes = []
     for index, task in enumerate(tasks):
         trace = run_agent(model, default_registry(), [{"role": "user", "content": task.question}],
@@ -370,3 +405,31 @@ def live_injection(url: str, sandbox: Sandbox | None, max_tokens: int = 60) -> t
     return trace, runs
 
 
+
+
+# --- the chat route's own tool calling ----------------------------------------------------------
+
+def native_answer(url: str, question: str, tools: list[dict], tool_choice: str | dict = "required",
+                  max_tokens: int = 60, model: str = MODEL) -> dict:
+    """One request with the official client's `tools=` and `tool_choice=`: the answer's
+    message as JSON (`tool_calls` with their ids, names and argument strings) and its finish."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], tools=tools,
+        tool_choice=tool_choice, max_tokens=max_tokens, temperature=0.0)
+    choice = answer.choices[0]
+    return {"finish_reason": choice.finish_reason, "message": choice.message.model_dump(exclude_none=True)}
+
+
+class ForcedFirst:
+    """A model side whose first round is forced to call a tool (`tool_choice` "required", the
+    grammar's) and whose later rounds choose ("auto"), so that the run can end in an answer."""
+
+    def __init__(self, url: str, max_tokens: int = 40, model: str = MODEL, cache_salt: str | None = None):
+        self.forced, self.free = (ServeModel(url, model, max_tokens=max_tokens, tool_choice=choice,
+                                             cache_salt=cache_salt) for choice in ("required", "auto"))
+
+    def generate(self, messages, tools, trace_id, round):
+        return (self.forced if round == 0 else self.free).generate(messages, tools, trace_id, round)
