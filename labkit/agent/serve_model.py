@@ -50,7 +50,8 @@ def wire_messages(messages: list[dict]) -> list[dict]:
             wire.append({"role": "assistant", "content": message.get("content") or None, "tool_calls": calls}
                         if calls else {"role": "assistant", "content": message.get("content") or ""})
         elif role == "tool" and message["tool_call_id"] in answered:
-            wire.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": message["content"]})
+            wire.append({"role": "tool", "tool_call_id": message["tool_call_id"],
+                         "content": message["content"]})
         elif role == "tool":
             result = ToolResult(message["tool_call_id"], message.get("name", ""), message["content"])
             wire.append({"role": "user", "content": result_text(result)})

@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass, field
 
 from labkit.protocols.tool_use import (CallSplitter, InvalidToolCall, ToolCall, ToolChoice, ToolResult,
-                                       ToolSpec, ToolUseError, Turn, check_choice, check_tools, forcing_format,
-                                       gather, render_turns)
+                                       ToolSpec, ToolUseError, Turn, check_choice, check_tools,
+                                       forcing_format, gather, render_turns)
 from labkit.serve.errors import APIError, invalid
 from labkit.serve.protocol import ChatCompletionRequest, ChatTurn
 from labkit.structured.contract import InvalidFormat, ResponseFormat, check_strict
@@ -147,7 +147,8 @@ def chat_messages(messages: list[ChatTurn], plan: ToolPlan) -> list[dict[str, st
 
 
 def call_entry(call: ToolCall, index: int | None = None) -> dict:
-    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+    function = {"name": call.name, "arguments": call.arguments_json}
+    entry = {"id": call.id, "type": "function", "function": function}
     return entry if index is None else {"index": index} | entry
 
 

@@ -255,7 +255,7 @@ class FunctionDefinition(Strict):
     """A function tool: its name (checked with the tools as a whole), what it does, and a JSON
     Schema for its arguments object (absent: no arguments)."""
 
-    name: str
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
@@ -298,6 +298,33 @@ class ChatTurn(ChatMessage):
     @property
     def text(self) -> str:
         return "" if self.content is None else super().text
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """What `/openapi.json` says a message is: one of the three shapes `check_turns` takes
+        (the model itself has every field optional, so that a refusal names the field)."""
+        shapes = (PlainTurn, AssistantTurn, ToolTurn)
+        return {"oneOf": [handler(shape.__pydantic_core_schema__) for shape in shapes]}
+
+
+Content = Union[str, Annotated[list[TextPart], Field(min_length=1)]]
+
+
+class PlainTurn(Strict):
+    role: Literal["system", "developer", "user"]
+    content: Content
+
+
+class AssistantTurn(Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+
+
+class ToolTurn(Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: Annotated[str, Field(min_length=1)]
 
 
 Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
@@ -425,7 +452,8 @@ def check_turns(messages: list[ChatTurn]) -> None:
     be null; a tool turn has a tool_call_id and content; no other turn has either."""
     for i, m in enumerate(messages):
         if m.tool_calls is not None and m.role != "assistant":
-            raise invalid(f"messages[{i}]: only an assistant message has tool_calls", f"messages[{i}].tool_calls")
+            raise invalid(f"messages[{i}]: only an assistant message has tool_calls",
+                          f"messages[{i}].tool_calls")
         if (m.tool_call_id is not None) != (m.role == "tool"):
             raise invalid(f"messages[{i}]: a tool message has a tool_call_id, and only a tool message does",
                           f"messages[{i}].tool_call_id",
