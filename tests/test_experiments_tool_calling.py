@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import pytest
 
@@ -134,3 +135,37 @@ def test_cached_and_cold_resumes_over_http(server):
                                       tc.injection_registry(None)[0].specs())
     assert count.im_start_ids == count.turns  # the injected <|im_start|> is not one of them
     assert count.injected_as_text[2:5] == ["im", "_", "start"]
+    # the rendering the chapter tokenizes is the chat route's: the same prompt length
+    trace, _ = tc.scripted_injection(None)
+    specs = tc.injection_registry(None)[0].specs()
+    rendered = tc.template_messages(trace.messages, specs)
+    ids = httpx.post(server.url + "/tokenize", timeout=60, json={
+        "model": tc.MODEL, "messages": rendered, "add_generation_prompt": True}).json()["count"]
+    wire = [dict(m) for m in trace.messages]
+    wire[1] = {"role": "assistant", "content": None, "tool_calls": wire[1]["tool_calls"]}
+    answer = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": tc.MODEL, "messages": [{k: v for k, v in m.items() if k != "name"} for m in wire],
+        "tools": specs, "max_tokens": 1}).json()
+    assert answer["usage"]["prompt_tokens"] == ids
+
+
+def test_forced_first_forces_only_the_first_round():
+    import httpx2
+    from openai import OpenAI
+    from test_agent_serve_model import ANSWER
+
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx2.Response(200, json=ANSWER)
+
+    model = tc.ForcedFirst("http://127.0.0.1:9", max_tokens=8)
+    for side in (model.forced, model.free):
+        side.client = OpenAI(base_url="http://127.0.0.1:9/v1", api_key="none", max_retries=0,
+                             http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+    tools = default_registry().specs()
+    for round in range(3):
+        model.generate([{"role": "user", "content": "2 + 3?"}], tools, "t", round)
+    assert [body["tool_choice"] for body in seen] == ["required", "auto", "auto"]
+    assert all(body["tools"] == tools for body in seen)
