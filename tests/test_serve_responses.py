@@ -191,8 +191,6 @@ def assert_openai_error(answer: httpx.Response, status: int, code: str, param: s
     ("tools", [{"type": "function", "name": "add", "parameters": {"type": "object"}, "strict": True}],
      "tools"),
     ("tools", [{"type": "web_search"}], "tools"),
-    ("text", {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}},
-     "text.format"),
 ])
 def test_what_a_stateless_server_without_tools_cannot_do_gets_400_by_name(server, field, value, param):
     answer = post(server, {"model": MODEL, "input": "Hi", "max_output_tokens": 4, field: value})

@@ -81,8 +81,6 @@ def test_function_call_items_are_parsed_then_refused_until_tools_come():
     ("include", ["message.output_text.logprobs"], "include"),
     ("tools", [{"type": "function", "name": "f", "parameters": {}, "strict": True}], "tools"),
     ("tools", [{"type": "web_search"}], "tools"), ("tool_choice", "required", "tool_choice"),
-    ("text", {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "text.format"),
-    ("text", {"format": {"type": "json_object"}}, "text.format"),
     ("text", {"verbosity": "low"}, "text.verbosity"),
     ("truncation", "auto", "truncation"), ("reasoning", {"effort": "low"}, "reasoning"),
     ("stream_options", {"include_obfuscation": True}, "stream_options.include_obfuscation"),
@@ -231,3 +229,47 @@ def test_a_message_items_text_joins_its_parts():
     item = MessageItem(role="user", content=[{"type": "input_text", "text": "a"},
                                              {"type": "input_text", "text": "b"}])
     assert item.text == "a\nb"
+
+
+# -- text.format --------------------------------------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("sent, echoed", [
+    (None, {"type": "text"}),
+    ({"type": "text"}, {"type": "text"}),
+    ({"type": "json_object"}, {"type": "json_object"}),
+    ({"type": "json_schema", "name": "city", "schema": CITY},
+     {"type": "json_schema", "name": "city", "schema": CITY, "strict": False}),
+    ({"type": "json_schema", "name": "city", "schema": CITY, "strict": True, "description": "A city."},
+     {"type": "json_schema", "name": "city", "schema": CITY, "strict": True, "description": "A city."}),
+])
+def test_text_format_is_taken_and_echoed_as_openai_echoes_it(sent, echoed):
+    body = {"model": MODEL, "input": "Hi"} | ({} if sent is None else {"text": {"format": sent}})
+    echo = Echo.of(parse_request(body).fields, MODEL)
+    answer = response_body("resp_1", 1700000000, echo, "completed",
+                           [message_item("msg_1", '{"city": "Paris"}', "completed")], usage_of(5, 3, 0))
+    assert answer["text"] == {"format": echoed}
+    schema_check("Response", answer)
+    parsed = Response.model_validate(answer)
+    assert parsed.text.format.type == echoed["type"]
+
+
+@pytest.mark.parametrize("fmt, code, param", [
+    ({"type": "xml"}, "invalid_type", "text.format.type"),
+    ({"name": "x"}, "missing_required_parameter", "text.format.type"),
+    ({"type": "json_schema", "schema": CITY}, "missing_required_parameter", "text.format.name"),
+    ({"type": "json_schema", "name": "x"}, "missing_required_parameter", "text.format.schema"),
+    ({"type": "json_schema", "name": "no spaces", "schema": CITY}, "invalid_value", "text.format.name"),
+    ({"type": "json_schema", "name": "x", "schema": True}, "invalid_type", "text.format.schema"),
+    ({"type": "json_schema", "name": "x", "schema": CITY, "strict": "yes"}, "invalid_type",
+     "text.format.strict"),
+    ({"type": "json_object", "schema": CITY}, "unknown_parameter", "text.format.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": CITY}}, "unknown_parameter",
+     "text.format.json_schema"),
+])
+def test_a_malformed_text_format_is_400_naming_its_field(fmt, code, param):
+    error = refusal({"model": MODEL, "input": "Hi", "text": {"format": fmt}})
+    assert (error.status, error.code, error.param) == (400, code, param), error.message

@@ -1,13 +1,16 @@
 """What an Anthropic Messages request may say, checked before any work (text only, for now).
 
     POST /v1/messages               model, max_tokens, messages, system?, stop_sequences?,
-                                    temperature?, top_p?, top_k?, metadata.user_id?, stream?
-    POST /v1/messages/count_tokens  model, messages, system?
+                                    temperature?, top_p?, top_k?, metadata.user_id?, stream?,
+                                    output_config.format?
+    POST /v1/messages/count_tokens  model, messages, system?, output_config.format?
 
 `messages[i].content` is a string or a list of text blocks; `system` is a string or a list of
 text blocks; a text block may carry `cache_control: {"type": "ephemeral", "ttl"?: "5m"|"1h"}`
 (a cache breakpoint, see labkit/serve/README.md); a top-level `cache_control` puts one after
-the last block. The fields and blocks of Anthropic's API
+the last block. `output_config.format` is Anthropic's structured output, `{"type": "json_schema",
+"schema": {...}}` (`output_config.effort` is taken only as null: the served models have no
+effort setting). The fields and blocks of Anthropic's API
 that this service does not implement yet (tools, images, documents, thinking, ...) get a 400
 that says so; a field Anthropic does not have either gets a 400 naming it; the models are
 strict, as the OpenAI routes' are (`labkit.serve.protocol`).
@@ -24,8 +27,10 @@ from labkit.serve.protocol import Strict, field_refusal
 
 # Anthropic's request fields, and content block types, that this service does not implement yet
 NOT_YET_FIELDS = ("tools", "tool_choice", "thinking", "service_tier", "container", "mcp_servers",
-                  "context_management", "inference_geo", "output_config", "output_format", "speed",
-                  "diagnostics", "user_profile_id", "workspace_id")
+                  "context_management", "inference_geo", "speed", "diagnostics", "user_profile_id",
+                  "workspace_id")
+# the structured-outputs beta's names of fields this service takes under their current name
+RENAMED_FIELDS = {"output_format": "output_config.format"}
 NOT_YET_BLOCKS = ("image", "document", "search_result", "tool_use", "tool_result", "server_tool_use",
                   "web_search_tool_result", "thinking", "redacted_thinking", "container_upload")
 MAX_STOP_SEQUENCES = 16
@@ -52,6 +57,21 @@ class Message(Strict):
         return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
 
 
+class JsonOutputFormat(Strict):
+    """Anthropic's `output_config.format`: the answer's text is JSON valid against `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    format: JsonOutputFormat | None = None
+    effort: None = None   # Anthropic's effort levels: the served models have no such setting
+
+
+OUTPUT_FORMAT_FIELDS = ("type", "schema")
+
+
 class Metadata(Strict):
     user_id: Annotated[str, Field(max_length=256)] | None = None
 
@@ -61,6 +81,7 @@ class CountTokensRequest(Strict):
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Union[str, list[TextBlock], None] = None
     cache_control: CacheControl | None = None   # a breakpoint after the last block (automatic caching)
+    output_config: OutputConfig | None = None
 
     @property
     def system_text(self) -> str | None:
@@ -86,6 +107,9 @@ def check_names(body: dict, allowed, where: str = "") -> None:
         name = f"{where}{key}"
         if key in allowed:
             continue
+        if not where and key in RENAMED_FIELDS:
+            raise APIError(400, f"{name} is the beta's name: send {RENAMED_FIELDS[key]}",
+                           "unsupported_parameter", name)
         if not where and key in NOT_YET_FIELDS:
             raise APIError(400, f"{name} is not supported by this service yet", "unsupported_parameter", name)
         raise APIError(400, f"unknown parameter {name}", "unknown_parameter", name)
@@ -105,6 +129,19 @@ def check_blocks(blocks, where: str) -> None:
                 check_names(block["cache_control"], CacheControl.model_fields, f"{where}[{j}].cache_control.")
 
 
+def check_output_config(config) -> None:
+    """400 naming a field of `output_config` that is not Anthropic's, or that asks for what
+    this service does not do (an effort level)."""
+    if not isinstance(config, dict):
+        return
+    check_names(config, OutputConfig.model_fields, "output_config.")
+    if config.get("effort") is not None:
+        raise APIError(400, "output_config.effort is not supported by this service: its models have no "
+                            "effort setting (null is taken)", "unsupported_parameter", "output_config.effort")
+    if isinstance(config.get("format"), dict):
+        check_names(config["format"], OUTPUT_FORMAT_FIELDS, "output_config.format.")
+
+
 def parse(model: type[CountTokensRequest], body: dict) -> CountTokensRequest:
     """The request model, or a 400 in which the first wrong or unsupported field is named."""
     check_names(body, model.model_fields)
@@ -117,6 +154,7 @@ def parse(model: type[CountTokensRequest], body: dict) -> CountTokensRequest:
     for name, fields in (("metadata", Metadata.model_fields), ("cache_control", CacheControl.model_fields)):
         if isinstance(body.get(name), dict):
             check_names(body[name], fields, f"{name}.")
+    check_output_config(body.get("output_config"))
     try:
         request = model.model_validate(body)
     except ValidationError as error:

@@ -9,6 +9,11 @@ conversation gets the same ids, and greedy decoding the same text. The request i
 admitted and submitted by the `RequestPath` like any other; its answer, its events and its
 errors are Anthropic's (`labkit.serve.anthropic_wire`). The API key may come as `x-api-key`,
 as Anthropic's clients send it.
+
+`output_config.format` constrains the answer's text to JSON valid against its schema through
+the engine's grammar mask, as `response_format` does on the chat route (the same compile, the
+same 400 for a schema the grammar engine refuses). It puts nothing in the prompt, so
+`count_tokens` checks it the same way and counts the same prompt with it or without it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS, message_body, message_
 from labkit.serve.errors import invalid
 from labkit.serve.request_path import EngineWork, RequestPath
 from labkit.serve.settings import tenant_of
+from labkit.serve.structured_formats import checked_format
+from labkit.structured.contract import ResponseFormat
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -65,6 +72,16 @@ def before_last_breakpoint(fields: CountTokensRequest) -> list[dict[str, str]] |
     return whole[:first + i] + [cut]
 
 
+async def output_format(fields: CountTokensRequest, path: RequestPath) -> ResponseFormat | None:
+    """`output_config.format` compiled before any work (`checked_format`); None if not given."""
+    config = fields.output_config
+    if config is None or config.format is None:
+        return None
+    schema = config.format.schema_
+    return await checked_format(lambda: ResponseFormat.json_schema(schema), path.tokenizer, path.vocab_size,
+                                "output_config.format.schema", "output_config.format")
+
+
 def anthropic_router(path: RequestPath) -> APIRouter:
     router = APIRouter()
     tokenizer = path.tokenizer
@@ -93,10 +110,11 @@ def anthropic_router(path: RequestPath) -> APIRouter:
             ids, breakpoint_tokens = await prompt_of(fields)
             marks["tokenized"] = time.perf_counter()
             path.check_size(ids, fields.max_tokens, "max_tokens", 1)
+            fmt = await output_format(fields, path)
             params = SamplingParams(temperature=1.0 if fields.temperature is None else fields.temperature,
                                     top_p=1.0 if fields.top_p is None else fields.top_p,
                                     top_k=fields.top_k or 0, max_tokens=fields.max_tokens,
-                                    stop=tuple(fields.stop_sequences or ()))
+                                    stop=tuple(fields.stop_sequences or ()), response_format=fmt)
             work = EngineWork("messages", f"msg_{uuid.uuid4().hex}", [ids], params, marks,
                               deadline=path.deadline(request, None, arrival), tenant=tenant_of(key))
             streams = path.start(work)
@@ -120,6 +138,7 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         fields: CountTokensRequest = parse(CountTokensRequest, await path.read_body(request))
         path.check_model(fields.model)
         ids, _ = await prompt_of(fields)
+        await output_format(fields, path)  # refused as /v1/messages would refuse it; adds no tokens
         return {"input_tokens": len(ids)}
 
     return router

@@ -270,7 +270,7 @@ def _param(loc: tuple) -> str:
             out += f"[{part}]"
         elif not out or part in ChatMessage.model_fields or part in StreamOptions.model_fields \
                 or part in TextPart.model_fields or part in ResponseFormatField.model_fields \
-                or part in ("name", "description", "schema", "strict"):
+                or part in ("name", "description", "schema", "strict", "format", "effort"):
             out += ("." if out else "") + part
         else:
             break

@@ -6,9 +6,9 @@ there); `tests/test_serve_openapi.py` validates built answers against them, and
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Closed(BaseModel):
@@ -60,8 +60,20 @@ class TextFormatText(Closed):
     type: Literal["text"]
 
 
+class TextFormatJsonObject(Closed):
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(Closed):
+    type: Literal["json_schema"]
+    name: str
+    schema_: dict = Field(alias="schema")
+    strict: bool
+    description: str = None  # absent unless the request gave one
+
+
 class TextSettings(Closed):
-    format: TextFormatText
+    format: Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema]
 
 
 class ResponseObject(Closed):

@@ -1,13 +1,14 @@
 """What a Responses API request (`POST /v1/responses`) may say, checked before any work.
 
 The subset a local, stateless server serves: `input` as a string or a list of items,
-`instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`, informational
-`metadata` and `user`, and labkit's own sampling and admission fields. The body's bytes are
+`instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format` (plain
+text, `json_object` or `json_schema`: structured outputs, as chat's `response_format`),
+informational `metadata` and `user`, and labkit's own sampling and admission fields. The body's bytes are
 read by `labkit.serve.protocol.parse_json_body`; the field rules are the chat route's: unknown
 fields get 400 `unknown_parameter`; OpenAI's fields this service does not implement are taken
 only at a value that asks for nothing (`RESPONSES_NO_OPS`) and refused otherwise with 400
-`unsupported_parameter` and a reason (this server keeps no state; tools and structured text
-are not supported yet); the models are strict (`"5"` is not a token count).
+`unsupported_parameter` and a reason (this server keeps no state; tools are not supported
+yet); the models are strict (`"5"` is not a token count).
 
 Input items are read by their `type`: `message` (the default, as OpenAI's "easy" messages have
 none), `function_call` and `function_call_output` are parsed into their models, so the day
@@ -150,12 +151,37 @@ OTHER_ITEM_TYPES = ("item_reference", "reasoning", "compaction", "file_search_ca
 
 # -- the request -------------------------------------------------------------------------------
 
-class TextFormat(Strict):
+class TextFormatText(Strict):
+    """Plain text: no constraint (the default)."""
+
     type: Literal["text"]
 
 
+class TextFormatJsonObject(Strict):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(Strict):
+    """JSON valid against `schema`; `name` as OpenAI's (letters, digits, '_' and '-', at most
+    64); with `strict` the schema must follow OpenAI's strict rules."""
+
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+TextFormat = Annotated[Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema],
+                       Field(discriminator="type")]
+TEXT_FORMATS: dict[str, type[BaseModel]] = {"text": TextFormatText, "json_object": TextFormatJsonObject,
+                                            "json_schema": TextFormatJsonSchema}
+
+
 class ResponseText(Strict):
-    format: dict | None = None   # read by `text_format` (json_schema slots in there)
+    format: TextFormat | None = None
 
 
 class ResponsesStreamOptions(Strict):
@@ -199,7 +225,7 @@ class ParsedResponsesRequest:
 
 KNOWN_FIELDS = set().union(*(m.model_fields for m in (ResponsesRequest, MessageItem, InputText, OutputText,
                                                        FunctionCallItem, FunctionCallOutputItem, ResponseText,
-                                                       TextFormat)))
+                                                       *TEXT_FORMATS.values())), {"schema"})
 
 
 def param_of(loc: tuple, where: str = "") -> str:
@@ -268,15 +294,23 @@ def parse_item(item, where: str) -> InputItem:
     return parsed
 
 
-def text_format(text: ResponseText | None) -> None:
-    """The seam for structured text: only plain text today."""
-    if text is None or text.format is None:
+def check_text_format(body: dict) -> None:
+    """`text.format` read by its `type` (as input items are), so that a wrong one gets 400
+    naming its own field rather than the union's."""
+    text = body.get("text")
+    sent = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(sent, dict):
         return
-    kind = text.format.get("type")
-    if kind in ("json_schema", "json_object"):
-        raise APIError(400, f"text.format: {kind} is {NOT_YET} (plain text only: {{\"type\": \"text\"}})",
-                       "unsupported_parameter", "text.format")
-    model_or_400(TextFormat, text.format, "text.format")
+    kind = sent.get("type")
+    if kind not in TEXT_FORMATS:
+        raise invalid(f"text.format.type: must be one of {sorted(TEXT_FORMATS)} (got {shown(kind)})",
+                      "text.format.type", "missing_required_parameter" if kind is None else "invalid_type")
+    model = TEXT_FORMATS[kind]
+    unknown = [key for key in sent if key not in {f.alias or name for name, f in model.model_fields.items()}]
+    if unknown:  # first, as a misplaced field (chat's nested json_schema) is the likelier mistake
+        raise APIError(400, f"unknown parameter text.format.{unknown[0]} (in a {kind} format)",
+                       "unknown_parameter", f"text.format.{unknown[0]}")
+    model_or_400(model, sent, "text.format")
 
 
 def parse_request(body: dict) -> ParsedResponsesRequest:
@@ -286,10 +320,10 @@ def parse_request(body: dict) -> ParsedResponsesRequest:
     for name, no_ops in (("text", TEXT_NO_OPS), ("stream_options", STREAM_OPTIONS_NO_OPS)):
         if isinstance(body.get(name), dict):
             body[name] = refuse_what_asks_for_something(body[name], no_ops, f"{name}.")
+    check_text_format(body)
     fields = model_or_400(ResponsesRequest, body)
     if fields.stream_options is not None and not fields.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    text_format(fields.text)
     if isinstance(fields.input, str):
         items: list[InputItem] = [MessageItem(role="user", content=fields.input)]
     else:

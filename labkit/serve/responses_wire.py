@@ -49,13 +49,26 @@ class Echo:
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
     tool_choice: str = "auto"
+    text_format: dict = field(default_factory=lambda: {"type": "text"})
 
     @classmethod
     def of(cls, fields: ResponsesRequest, model: str, tool_choice: str | None = None) -> "Echo":
         return cls(model, fields.instructions, fields.max_output_tokens,
                    1.0 if fields.temperature is None else fields.temperature,
                    1.0 if fields.top_p is None else fields.top_p, dict(fields.metadata or {}), fields.user,
-                   tool_choice or "auto")
+                   tool_choice or "auto", text_format_echo(fields))
+
+
+def text_format_echo(fields: ResponsesRequest) -> dict:
+    """`text.format` as OpenAI's answer repeats it: the format sent, `strict` as it applied
+    (false unless sent true); `description` only if sent (OpenAI's schema has no null for it)."""
+    sent = fields.text.format if fields.text is not None else None
+    if sent is None:
+        return {"type": "text"}
+    echo = sent.model_dump(by_alias=True, exclude_none=True)
+    if sent.type == "json_schema":
+        echo["strict"] = bool(sent.strict)
+    return echo
 
 
 def usage_of(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
@@ -95,7 +108,7 @@ def response_body(response_id: str, created_at: int, echo: Echo, status: str, ou
             "instructions": echo.instructions, "max_output_tokens": echo.max_output_tokens,
             "max_tool_calls": None, "model": echo.model, "output": output, "parallel_tool_calls": True,
             "previous_response_id": None, "reasoning": None, "service_tier": "default", "store": False,
-            "temperature": echo.temperature, "text": {"format": {"type": "text"}},
+            "temperature": echo.temperature, "text": {"format": echo.text_format},
             "tool_choice": echo.tool_choice, "tools": [], "top_logprobs": 0, "top_p": echo.top_p,
             "truncation": "disabled", "metadata": echo.metadata}
     # OpenAI's schema has no null for these: absent until known (usage), or not given (user)
