@@ -32,6 +32,7 @@ ASK = "What is the weather in Paris?"
 ANTHROPIC_TOOL = {"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
                   "parameters": WEATHER, "strict": True}
+ORPHAN_OUTPUT = {"type": "function_call_output", "call_id": "call_9", "output": "x"}
 BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "frobnicate"}}}
 
 
@@ -180,8 +181,7 @@ def test_a_function_call_output_goes_back(openai_client):
      "tools[0].parameters"),
     ({"tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "get_time"}},
      "invalid_value", "tool_choice"),
-    ({"tools": [RESPONSES_TOOL], "input": [{"role": "user", "content": ASK},
-                                           {"type": "function_call_output", "call_id": "call_9", "output": "x"}]},
+    ({"tools": [RESPONSES_TOOL], "input": [{"role": "user", "content": ASK}, ORPHAN_OUTPUT]},
      "invalid_value", "input[1].call_id"),
     ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
 ])
