@@ -8,10 +8,11 @@ tools described in the system turn, results as data). A `tool_result` whose `too
 no earlier `tool_use` has is a 400. `any` and `tool` are forced by the core's grammar.
 
 The reply is read by the core: each valid call is a `tool_use` block (`id` "toolu_...",
-`name`, `input`) after the text (a text block only if there is text, or nothing else), and
-`stop_reason` is `tool_use`. An invalid call (unknown tool, input that does not match the
-schema, bad JSON) is never a `tool_use` block: its text stays in the text block, as the model
-wrote it. Streamed, each text run is a text block of `text_delta`s and each call a block of
+`name`, `input`), each run of text between them a text block, in the reply's order (a reply
+with neither is one empty text block), and `stop_reason` is `tool_use`. An invalid call
+(unknown tool, input that does not match the schema, bad JSON, a second call with
+`disable_parallel_tool_use`) is never a `tool_use` block: its text stays in the text, as the
+model wrote it. Streamed, each text run is a text block of `text_delta`s and each call a block of
 its own: `content_block_start` with `{"type": "tool_use", "id", "name", "input": {}}`, one
 `input_json_delta` with the whole input's JSON as `partial_json`, `content_block_stop`.
 """
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from labkit.protocols.tool_use import (CallSplitter, InvalidToolCall, ToolCall, ToolChoice, ToolResult,
-                                       ToolSpec, ToolUseError, Turn, read_tool_calls, render_turns)
+                                       ToolSpec, ToolUseError, Turn, render_turns)
 from labkit.serve.anthropic_protocol import CountTokensRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS, PING, frame, stop_reason, usage
 from labkit.serve.calls import Call, failure_error, outcome_of
@@ -106,9 +107,18 @@ def answer_content(text: str, tool_use: ToolUse | None) -> tuple[list[dict], boo
     """The answer's content blocks, and whether it made a valid call."""
     if tool_use is None or not tool_use.reads_calls:
         return [{"type": "text", "text": text}], False
-    reading = read_tool_calls(text, tool_use.specs, tool_use.choice.parallel, new_tool_use_id)
-    texts = [{"type": "text", "text": reading.content}] if reading.content or not reading.calls else []
-    return texts + [tool_use_block(c) for c in reading.calls], bool(reading.calls)
+    splitter = CallSplitter(tool_use.specs, tool_use.choice.parallel, new_tool_use_id)
+    blocks: list[dict] = []
+    for piece in splitter.feed(text) + splitter.finish():   # in the reply's order, as streamed
+        if isinstance(piece, str):
+            if blocks and blocks[-1]["type"] == "text":
+                blocks[-1]["text"] += piece
+            else:
+                blocks.append({"type": "text", "text": piece})
+        elif isinstance(piece, ToolCall):
+            blocks.append(tool_use_block(piece))
+    called = any(b["type"] == "tool_use" for b in blocks)
+    return blocks or [{"type": "text", "text": ""}], called
 
 
 @dataclass

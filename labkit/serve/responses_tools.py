@@ -7,8 +7,9 @@ message, make one assistant turn) and `function_call_output` items become the co
 and `ToolResult`s. A `function_call_output` whose `call_id` no earlier `function_call` has is
 a 400, as is a `function_call` whose `arguments` are not a JSON object.
 
-The reply is read by the core: the answer's `output` is the assistant's `message` (only if it
-has text, or nothing else), then one `function_call` item per valid call (`id` "fc_...",
+The reply is read by the core: the answer's `output` is, in the reply's order, a `message`
+for each run of text (a reply with neither text nor calls is one empty message) and one
+`function_call` item per valid call (`id` "fc_...",
 `call_id` "call_...", `name`, `arguments` as JSON text, `status` completed). An invalid call
 is never a `function_call` item: its text stays in the message, as the model wrote it.
 Streamed, the message's events are the plain answer's, and each call is
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from labkit.engine.llm_engine import RequestOutput, TokenEvent
 from labkit.protocols.tool_use import (CallSplitter, InvalidToolCall, ToolCall, ToolChoice, ToolResult,
-                                       ToolSpec, ToolUseError, Turn, read_tool_calls, render_turns)
+                                       ToolSpec, ToolUseError, Turn, render_turns)
 from labkit.serve.errors import APIError, invalid
 from labkit.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                              ParsedResponsesRequest, ToolChoiceFunction)
@@ -103,10 +104,21 @@ def output_items(text: str, finish_reason: str | None, tool_use: ToolUse | None)
     status, _ = status_of(finish_reason)
     if tool_use is None or not tool_use.reads_calls:
         return [message_item(new_message_id(), text, status)]
-    reading = read_tool_calls(text, tool_use.specs, tool_use.choice.parallel)
-    with_text = reading.content or not reading.calls
-    message = [message_item(new_message_id(), reading.content, status)] if with_text else []
-    return message + [function_call_item(new_item_id(), call) for call in reading.calls]
+    splitter = CallSplitter(tool_use.specs, tool_use.choice.parallel)
+    items: list[dict] = []
+    for piece in splitter.feed(text) + splitter.finish():   # in the reply's order, as streamed
+        if isinstance(piece, str):
+            if items and items[-1]["type"] == "message":
+                items[-1]["content"][0]["text"] += piece
+            else:
+                items.append(message_item(new_message_id(), piece, "completed"))
+        elif isinstance(piece, ToolCall):
+            items.append(function_call_item(new_item_id(), piece))
+    if not items:
+        items.append(message_item(new_message_id(), "", status))
+    if items[-1]["type"] == "message":
+        items[-1]["status"] = status   # the last message is the one a token limit cut
+    return items
 
 
 @dataclass
