@@ -1,4 +1,4 @@
-"""What an Anthropic Messages request may say, checked before any work (text only, for now).
+"""What an Anthropic Messages request may say, checked before any work (text, structured outputs, client tools).
 
     POST /v1/messages               model, max_tokens, messages, system?, stop_sequences?,
                                     temperature?, top_p?, top_k?, metadata.user_id?, stream?,
