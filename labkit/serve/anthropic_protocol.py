@@ -1,4 +1,5 @@
-"""What an Anthropic Messages request may say, checked before any work (text, structured outputs, client tools).
+"""What an Anthropic Messages request may say (text, structured outputs, client tools), checked
+before any work.
 
     POST /v1/messages               model, max_tokens, messages, system?, stop_sequences?,
                                     temperature?, top_p?, top_k?, metadata.user_id?, stream?,

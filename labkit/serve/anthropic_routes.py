@@ -1,4 +1,4 @@
-"""Anthropic's Messages API over the shared request path (text, structured outputs, client tools).
+"""Anthropic's Messages API over the shared request path (text, structured outputs, tools).
 
     POST /v1/messages               one message, whole (JSON) or streamed (Server-Sent Events)
     POST /v1/messages/count_tokens  {"input_tokens": N}: the prompt /v1/messages would run

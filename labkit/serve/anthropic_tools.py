@@ -96,7 +96,10 @@ def turns_of(fields: CountTokensRequest) -> list[Turn | ToolResult]:
 
 
 def tool_messages(fields: CountTokensRequest, tool_use: ToolUse) -> list[dict[str, str]]:
-    return render_turns(turns_of(fields), tool_use.specs, tool_use.choice)
+    try:
+        return render_turns(turns_of(fields), tool_use.specs, tool_use.choice)
+    except ToolUseError as error:  # turns_of checked the results already: a 400 all the same
+        raise invalid(str(error), "messages") from None
 
 
 def tool_use_block(call: ToolCall) -> dict:

@@ -90,7 +90,10 @@ def turns_of(request: ParsedResponsesRequest) -> list[Turn | ToolResult]:
 
 
 def tool_messages(request: ParsedResponsesRequest, tool_use: ToolUse) -> list[dict[str, str]]:
-    return render_turns(turns_of(request), tool_use.specs, tool_use.choice)
+    try:
+        return render_turns(turns_of(request), tool_use.specs, tool_use.choice)
+    except ToolUseError as error:  # turns_of checked the outputs already: a 400 all the same
+        raise invalid(str(error), "input") from None
 
 
 def function_call_item(item_id: str, call: ToolCall, status: str = "completed", arguments: str | None = None
