@@ -11,6 +11,7 @@ Anthropic's documented event order for a tool_use block, and OpenAI's OpenAPI do
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -164,6 +165,23 @@ def test_a_forced_function_call_whole_and_streamed(openai_client, server):
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
         "response.output_item.done", "response.completed"]
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+
+
+def test_required_calls_validate_for_every_seed_at_temperature_1(openai_client):
+    def ask(seed):
+        return openai_client.responses.create(
+            model=MODEL, input=ASK, tools=[RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False,
+            max_output_tokens=60, temperature=1.0, extra_body={"seed": seed})
+
+    with ThreadPoolExecutor(10) as pool:
+        responses = list(pool.map(ask, range(10)))
+    for response in responses:
+        if response.status == "incomplete":
+            assert response.incomplete_details.reason == "max_output_tokens"
+            continue
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", response.output
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
 
 
 def test_a_function_call_output_goes_back(openai_client):
