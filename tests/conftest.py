@@ -1,6 +1,8 @@
 """Shared fixtures: the default model and its reference are loaded once per session; and the
-near-tie rule as the tests apply it to two numerical paths (`assert_greedy_near`)."""
+near-tie rule as the tests apply it to two numerical paths (`assert_greedy_near`), and its
+counterpart for seeded sampled rows (`assert_solo_sampled`, the near-boundary rule)."""
 
+import math
 import warnings
 
 import pytest
@@ -340,3 +342,92 @@ def tied_reference_run(tokens, vocab, text, near=None):
         step, rival, gap = near
         logits[step, rival] = 5.0 - gap
     return ta.ReferenceRun(list(tokens), logits, text)
+
+
+# -- the near-boundary rule: the near-tie rule's counterpart for seeded sampled rows ----------
+# A seeded row draws one uniform u a step from its own (seed, step) stream, on the CPU, the same
+# on every path (`draw_uniform`), and takes the token whose interval of the processed
+# distribution's CDF holds u. Two paths' logits differ by at most 2e (each within e of the
+# exact value), by 2e / T after the temperature, so every probability moves by a factor within
+# exp(+-4e / T) and every cumulative mass by at most expm1(4e / T): the nucleus edge (the tokens
+# whose mass above sits that close to top_p) may fall either way, and within a nucleus the
+# normalised CDF moves by at most expm1(8e / T). Two paths of one seeded row may therefore part
+# only where u lies that close to the candidate token's interval; a mask leaking into the row
+# (or any other change of its distribution) moves its tokens far from u and is not excused.
+
+
+def draw_can_pick(logits, params, seed, step, token, max_logit_error) -> bool:
+    """Could a path whose raw logits are within `2 * max_logit_error` of `logits` ([vocab],
+    the reference's) draw `token` at `step` of stream `seed` under `params` (temperature and
+    top-p only: the filters the tests' sampled rows use)?"""
+    from labkit.sampling import draw_uniform
+
+    assert not params.greedy and params.top_k == 0 and params.min_p == 0.0, "temperature and top-p only"
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert not params.logit_bias and params.response_format is None
+    scaled = 2.0 * max_logit_error / params.temperature
+    cdf_slack, nucleus_slack = math.expm1(2 * scaled), math.expm1(4 * scaled)
+    probs = torch.softmax(logits.double().reshape(-1) / params.temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    mass = torch.cumsum(sorted_probs, dim=-1)
+    rank = int((order == token).nonzero()[0, 0])
+    if params.top_p == 1.0:  # no nucleus: the whole vocabulary, whatever the rounding
+        sizes = torch.tensor([len(probs)])
+    else:  # every nucleus size a path within the slack could keep (a prefix of the ranking)
+        mass_above = mass - sorted_probs
+        fewest = max(1, int((mass_above < params.top_p - cdf_slack).sum()))
+        most = max(1, int((mass_above < params.top_p + cdf_slack).sum()))
+        if rank + 1 > most:
+            return False  # the token is outside every nucleus a path could keep
+        sizes = torch.arange(max(fewest, rank + 1), most + 1)
+    below = torch.cumsum(sorted_probs * (order < token), dim=-1)[sizes - 1]
+    total = mass[sizes - 1]
+    low, high = below / total, (below + probs[token]) / total
+    u = draw_uniform(seed, step)
+    return bool(((low - nucleus_slack <= u) & (u < high + nucleus_slack)).any())
+
+
+def sampled_reference_scores(model, ids, params, steps):
+    """The prompt's seeded sampled run alone through a contiguous cache (`labkit.sampling.sample`
+    at each step of stream `params.seed`, up to `steps` tokens or the EOS, which is left out as
+    the engine leaves it out) and the raw logits [tokens, vocab] each token was drawn from."""
+    from labkit.sampling import sample
+
+    cache = model.new_cache(1, len(ids) + steps)
+    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
+    out, rows = [], []
+    for step in range(steps):
+        token = sample(logits, params, seed=params.seed, step=step)
+        if token == model.tokenizer.eos_token_id:
+            break
+        out.append(token)
+        rows.append(logits.float())
+        logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
+    return out, torch.stack(rows) if rows else torch.empty(0)
+
+
+def assert_solo_sampled(model, prompt, sample, params, max_logit_error, what="a seeded sampled row"):
+    """A seeded sampled engine row's tokens are those of its prompt's solo run
+    (`sampled_reference_scores`) up to the near-boundary rule; where the row carries its
+    `logprobs`, the two paths' error on the chosen tokens is measured and held to the bound.
+    Returns the position where they parted (None: nowhere)."""
+    reference, logits = sampled_reference_scores(model, prompt, params, params.max_tokens)
+    candidate = list(sample.token_ids)
+    parted = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), None)
+    shared = len(candidate) if parted is None else parted
+    if sample.logprobs is not None:
+        ref_lp = torch.log_softmax(logits[:shared], dim=-1)
+        error = max((abs(float(ref_lp[i, t]) - lp) for i, (t, lp) in
+                     enumerate(zip(candidate[:shared], sample.logprobs))), default=0.0)
+        assert error <= max_logit_error, \
+            f"{what}: the paths' logit error {error:.3g} exceeds {max_logit_error}"
+    if parted is None:
+        assert len(reference) == len(candidate), \
+            f"{what}: {candidate} stops apart from the reference {reference}"
+        return None
+    message = (f"{what}: parted from its solo run at step {parted} (reference token {reference[parted]}, "
+               f"candidate {candidate[parted]}, draw {params.seed}/{parted})")
+    assert draw_can_pick(logits[parted], params, params.seed, parted, candidate[parted], max_logit_error), \
+        f"{message}: the draw is not within the paths' rounding of the candidate's CDF interval"
+    warnings.warn(f"{message}: excused, the draw sits at a CDF boundary", NearTieExcused, stacklevel=2)
+    return parted

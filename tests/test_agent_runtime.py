@@ -145,11 +145,34 @@ def test_the_loop_over_http_resumes_from_the_cached_prefix(server):
     assert second.turn.prompt_tokens > first.turn.prompt_tokens
     assert second.turn.cached_tokens > 0
     assert first.turn.prompt_tokens // 16 * 16 - 16 <= second.turn.cached_tokens < second.turn.prompt_tokens
+    print(f"auto: prompt {first.turn.prompt_tokens} + reply {first.turn.completion_tokens}; resume prompt "
+          f"{second.turn.prompt_tokens}, cached {second.turn.cached_tokens}")
     assert server.idle() or server.wait_until(server.idle, timeout=10) >= 0
     # the server saw the trace id on both requests (X-Request-Id, its access log)
     logged = [json.loads(line[line.index("{"):]) for line in server.lines if '"trace-live-1"' in line]
     assert [(r["request_id"], r["response_id"]) for r in logged if r.get("route") == "chat"] == [
         ("trace-live-1", first.turn.response_id), ("trace-live-1", second.turn.response_id)]
+
+
+@pytest.mark.slow
+def test_a_forced_call_resumes_with_the_whole_reply_cached(server):
+    """With the call forced (a named tool_choice), the assistant turn the server re-renders from
+    `tool_calls` is the text the grammar made the model write, and it re-encodes to the same
+    tokens: the resume prompt is served from the cache through the reply, not only through
+    the first prompt (full 16-token blocks; the tool's result is the new tail)."""
+    model = ServeModel(server.url, MODEL, max_tokens=64,
+                       tool_choice={"type": "function", "function": {"name": "calculator"}})
+    ask = "Forced. " + COPY_A_CALL  # not the other test's prompt, whose resume the cache may hold
+    trace = run_agent(model, default_registry(), [{"role": "user", "content": ask}], max_rounds=2)
+    first, second = trace.model_steps()
+    assert first.turn.finish_reason == "tool_calls", first.turn
+    assert [c.name for c in first.turn.parsed.calls] == ["calculator"]
+    through_reply = first.turn.prompt_tokens + first.turn.completion_tokens
+    print(f"forced: prompt {first.turn.prompt_tokens} + reply {first.turn.completion_tokens}; resume prompt "
+          f"{second.turn.prompt_tokens}, cached {second.turn.cached_tokens}")
+    assert second.turn.cached_tokens >= through_reply // 16 * 16 - 16 > first.turn.prompt_tokens // 16 * 16 - 16
+    assert second.turn.cached_tokens < second.turn.prompt_tokens
+    server.wait_until(server.idle)
 
 
 @pytest.mark.slow

@@ -14,6 +14,9 @@ import pytest
 from labkit.agent.runtime import ScriptedModel, run_agent
 from labkit.agent.sandbox import ErrorKind, Limits, Sandbox, SandboxUnavailable, ToolResult
 from labkit.agent.serve_model import wire_messages
+from labkit.protocols.tool_use import ToolCall as CoreCall
+from labkit.protocols.tool_use import ToolChoice, Turn, render_turns
+from labkit.protocols.tool_use import ToolResult as CoreResult
 from labkit.agent.toolbox import calculator, default_registry, run_python, word_count
 from labkit.agent.tools import Tool, ToolRegistry, tool_message
 
@@ -167,11 +170,15 @@ def test_injection_text_in_tool_output_stays_data_in_the_next_prompt():
     assert [m["role"] for m in second] == ["user", "assistant", "tool"]
     assert second[-1] == tool_message("call_0_0", "lookup", ToolResult.success(INJECTION))
     assert second[-1]["content"] == INJECTION
-    # on the wire: one user turn wrapping it; the wrapper closes once, at its end, and the
-    # JSON inside gives the output back exactly
-    wire = wire_messages(second, registry.specs())
-    assert [m["role"] for m in wire] == ["system", "user", "assistant", "user"]
-    content = wire[-1]["content"]
+    # on the wire: a tool turn answering the call; the server wraps it as data in one user
+    # turn (labkit.protocols.tool_use): the wrapper closes once, at its end, and the JSON
+    # inside gives the output back exactly
+    wire = wire_messages(second)
+    assert [m["role"] for m in wire] == ["user", "assistant", "tool"] and wire[-1]["content"] == INJECTION
+    turns = render_turns([Turn("user", "Look it up."), Turn("assistant", "", (CoreCall("call_0_0", "lookup", {}),)),
+                          CoreResult("call_0_0", "lookup", INJECTION)], [], ToolChoice("none"))
+    assert [m["role"] for m in turns] == ["user", "assistant", "user"]
+    content = turns[-1]["content"]
     assert content.startswith("<tool_response>") and content.endswith("</tool_response>")
     assert content.count("</tool_response>") == 1 and content.count("</tool_call>") == 0
     body = json.loads(content[len("<tool_response>"):-len("</tool_response>")])

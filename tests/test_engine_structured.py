@@ -8,8 +8,9 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
-from conftest import SMOL_LOGIT_ERROR, assert_solo_greedy
+from conftest import SMOL_LOGIT_ERROR, assert_solo_greedy, assert_solo_sampled, draw_can_pick
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
 from labkit.structured import InvalidFormat, ResponseFormat
@@ -110,11 +111,13 @@ def test_parallel_samples_each_follow_the_grammar(model, smol_engine):
 
 def test_plain_rows_beside_constrained_ones_keep_their_tokens(model):
     """The same plain requests alone and in a step with constrained ones: greedy rows equal
-    their solo greedy run (near-tie rule), seeded sampled rows are token for token the same."""
+    their solo greedy run (near-tie rule), a seeded sampled row its solo sampled run (the
+    near-boundary rule: another batch may round a draw at a CDF boundary the other way, a
+    mask leaking into the row moves it far from the draw)."""
     texts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     plain = [model.tokenizer.encode(t) for t in texts]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
-    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=17, max_tokens=16)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=17, max_tokens=16, logprobs=0)
     alone = LLMEngine(model, EngineConfig(kv_cache_tokens=4096)).generate(plain + plain[:1], [greedy] * 3 + [sampled])
     constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, response_format=FORMAT) for s in range(3)]
     mixed_engine = LLMEngine(model, EngineConfig(kv_cache_tokens=4096))
@@ -125,9 +128,45 @@ def test_plain_rows_beside_constrained_ones_keep_their_tokens(model):
                        what="plain greedy rows beside constrained ones against their solo runs")
     assert_solo_greedy(model, plain, [alone[i].samples[0] for i in range(3)], 16, SMOL_LOGIT_ERROR,
                        what="the same rows alone against their solo runs")
-    assert mixed[6].token_ids == alone[3].token_ids
+    assert_solo_sampled(model, plain[0], mixed[6].samples[0], sampled, SMOL_LOGIT_ERROR,
+                        what="a seeded sampled row beside constrained ones")
+    assert_solo_sampled(model, plain[0], alone[3].samples[0], sampled, SMOL_LOGIT_ERROR,
+                        what="the same row alone")
     check_outputs([mixed[i] for i in (0, 2, 5)], at_least_complete=0)
     assert mixed_engine.mask_clock.tokens > 0 and no_blocks_held(mixed_engine)
+
+
+def test_the_near_boundary_rule_excuses_only_a_draw_at_a_cdf_boundary():
+    """Closed form: four tokens whose first interval ends exactly at the draw u of (seed 17,
+    step 0). Token 1 holds u; token 0's interval ends at u, so a path rounding it up takes
+    token 0 (excused); token 3, far from u, is not; nor token 0 once its interval ends 0.1 away."""
+    from labkit.sampling import draw_uniform, sample
+
+    u = draw_uniform(17, 0)
+    params = SamplingParams(temperature=1.0, seed=17)
+
+    def logits(first):
+        rest = (1.0 - first) / 3
+        return torch.tensor([first, rest, rest, rest], dtype=torch.float64).log().float()
+    at_u = logits(u)
+    assert sample(at_u, params, seed=17, step=0) in (0, 1)
+    assert draw_can_pick(at_u, params, 17, 0, 0, SMOL_LOGIT_ERROR)
+    assert draw_can_pick(at_u, params, 17, 0, 1, SMOL_LOGIT_ERROR)
+    assert not draw_can_pick(at_u, params, 17, 0, 3, SMOL_LOGIT_ERROR)
+    away = logits(u - 0.1)
+    assert sample(away, params, seed=17, step=0) == 1
+    assert not draw_can_pick(away, params, 17, 0, 0, SMOL_LOGIT_ERROR)
+    # a nucleus edge within the rounding: at step 1 (u = 0.954) token 2's mass above is 0.9, just
+    # over top_p 0.899, so the reference's nucleus is {0, 1} and it takes token 1; a path rounding
+    # the other way keeps token 2, whose interval [0.9, 0.96) / 0.96 holds u: excused. With
+    # top_p 0.85 no rounding keeps token 2; token 3 no path within the rounding keeps either.
+    assert draw_uniform(17, 1) > 0.9375
+    edge = torch.tensor([0.5, 0.4, 0.06, 0.04]).log()
+    near = SamplingParams(temperature=1.0, top_p=0.899, seed=17)
+    assert sample(edge, near, seed=17, step=1) == 1 and draw_can_pick(edge, near, 17, 1, 2, SMOL_LOGIT_ERROR)
+    assert not draw_can_pick(edge, near, 17, 1, 3, SMOL_LOGIT_ERROR)
+    far = SamplingParams(temperature=1.0, top_p=0.85, seed=17)
+    assert not draw_can_pick(edge, far, 17, 1, 2, SMOL_LOGIT_ERROR)
 
 
 def test_a_bad_schema_is_refused_before_any_work(model, smol_engine):

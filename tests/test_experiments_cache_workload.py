@@ -1,5 +1,7 @@
 """Chapter 32's conversation workload on a real `labkit serve`: the contract written from the
-engine's code predicts the cached tokens the server reports; cold sends find nothing."""
+engine's code predicts the cached tokens the server reports (a consistency check of code
+against code) and, once the pool evicts, bounds them from above; cold sends find nothing;
+another API key finds nothing of the first key's prompts in the same `cache_salt`."""
 
 from __future__ import annotations
 
@@ -31,3 +33,36 @@ def test_the_served_cached_tokens_are_what_our_contract_predicts(model):
     assert predicted[0] == 0 and predicted[1] >= 192      # the second conversation hits the system prompt
     assert predicted[2] > predicted[1]                     # a second turn hits its own first turn too
     assert all(t.cold_cached_tokens == 0 for t in played)  # a scope of its own: nothing to hit
+
+
+@pytest.mark.slow
+def test_another_api_key_finds_nothing_of_the_first_keys_prompts(model, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192", "--api-key-file", str(keys)) as server:
+        system = cw.system_prompt(model.tokenizer, 200)
+        played = cw.play(server.url, MODEL, system, conversations=1, turns=2, max_tokens=8, api_key="key-a",
+                         scope="shared", cold=False)
+        probes = cw.probe_keys(server.url, MODEL, played[-1].messages, "shared",
+                               [("a", "key-a"), ("b", "key-b"), ("b again", "key-b")])
+        sweep = cw.cold_sweep(server.url, MODEL, model.tokenizer, [32, 96, 160], repeats=1, api_key="key-a")
+    assert played[1].cached_tokens > 0 and probes[0].cached_tokens >= played[1].cached_tokens
+    assert probes[1].cached_tokens == 0 and probes[1].prompt_tokens == probes[0].prompt_tokens > 200
+    assert probes[2].cached_tokens == probes[0].cached_tokens  # the same prompt, now in B's own scope
+    lengths = [n for n, _ in sweep]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1] and all(s > 0 for _, s in sweep)
+
+
+@pytest.mark.slow
+def test_under_eviction_the_contract_is_an_upper_bound_and_some_turns_fall_short(model):
+    """Three conversations in a pool of 18 blocks, which holds any one turn but not what they
+    leave behind together: least-recently-used blocks are given back, so a later turn reads
+    less than the contract (which keeps everything) predicts, and none reads more."""
+    with LiveServer("--model", MODEL, "--kv-cache-tokens", "288", "--max-model-len", "288") as server:
+        system = cw.system_prompt(model.tokenizer, 200)
+        played = cw.play(server.url, MODEL, system, conversations=3, turns=2, max_tokens=8, cold=False)
+    requests = cw.as_cache_requests(played, model.tokenizer)
+    predicted = [b.read for b in pc.predict(pc.labkit_contract(16), requests)]
+    reported = [t.cached_tokens for t in played]
+    assert all(r <= p for r, p in zip(reported, predicted)), (reported, predicted)
+    assert any(r < p for r, p in zip(reported, predicted)), (reported, predicted)

@@ -58,7 +58,9 @@ def test_answers_are_read_from_the_completion_and_from_a_worked_reply():
 @pytest.mark.parametrize("successes,total", [(0, 10), (7, 20), (20, 20), (33, 120)])
 def test_wilson_interval_matches_scipy(successes, total):
     expected = binomtest(successes, total).proportion_ci(method="wilson")
-    assert ic.wilson_interval(successes, total) == pytest.approx((expected.low, expected.high), abs=1e-9)
+    low, high = ic.wilson_interval(successes, total)
+    assert (low, high) == pytest.approx((expected.low, expected.high), abs=1e-9)
+    assert low <= successes / total <= high  # a plotted error bar is never negative
 
 
 def test_paired_difference_is_signed_and_says_noise_when_the_two_agree():
@@ -90,3 +92,60 @@ def test_greedy_samples_all_agree_and_seeded_samples_repeat(model):
            for _ in range(2)]
     assert [s.texts for s in hot[0]] == [s.texts for s in hot[1]]
     assert all(1 <= t <= 3 for s in hot[0] for t in s.tokens)
+
+
+def test_false_accepts_counts_the_wrong_answers_the_verifier_lets_through():
+    rows = [sampled((8, 5), [13, 23, 12, None, 3]), sampled((1, 1), [2, 12, 2])]
+    # wrong: 23, 12, 3 (first question), 12 (second); 23, 3 and 12 end in the right digit
+    assert ic.false_accepts(rows, ic.last_digit_verifier) == (3, 4)
+    assert ic.false_accepts(rows, ic.exact_verifier) == (0, 4)
+
+
+def test_the_costs_count_only_the_samples_a_rule_reads():
+    rows = [ic.Sampled(ic.Problem((1, 2), ""), [3, 3, 4], [2, 4, 3]),
+            ic.Sampled(ic.Problem((2, 2), ""), [4, 1, 1], [4, 1, 1])]
+    points = {p.method: p for p in ic.accuracy_curve(rows, [3], {"one": ("first", None),
+                                                                 "vote": ("majority", None)})}
+    assert points["one"].tokens_per_question == 3.0 and points["one"].steps_per_question == 3.0
+    # the vote reads all three: tokens add up (9 and 6), steps are the longest sample (4 and 4)
+    assert points["vote"].tokens_per_question == 7.5 and points["vote"].steps_per_question == 4.0
+    assert ic.samples_read("first", 32) == 1 and ic.samples_read("best_of_n", 32) == 32
+
+
+def test_within_budget_cuts_every_sample_and_reparses_it():
+    row = ic.Sampled(ic.Problem((2, 3), ""), [5], [6], ["x"], [[1, 2, 3, 4, 5, 6]])
+    texts = {(1, 2): " The", (1, 2, 3, 4): " The answer is 5"}
+    (cut,) = ic.within_budget([row], 4, lambda ids: texts.get(tuple(ids), ""), ic.worked_answer)
+    assert (cut.answers, cut.tokens, cut.token_ids) == ([5], [4], [[1, 2, 3, 4]])
+    (short,) = ic.within_budget([row], 2, lambda ids: texts.get(tuple(ids), ""), ic.worked_answer)
+    assert (short.answers, short.tokens) == ([None], [2])
+    (whole,) = ic.within_budget([row], 99, lambda ids: "", ic.worked_answer)
+    assert whole.tokens == [6]
+    with pytest.raises(ValueError, match="token ids"):
+        ic.within_budget([sampled((1, 1), [2])], 4, str, ic.worked_answer)
+
+
+def test_the_direct_control_asks_in_the_same_format_as_the_worked_prompt():
+    problem = ic.Problem((51, 8), "")
+    worked, direct = ic.worked_prompt(problem), ic.worked_prompt(problem, ic.DIRECT_QA_SHOTS)
+    assert worked.endswith("Q: 51 + 8\nA:") and direct.endswith("Q: 51 + 8\nA:")
+    assert [ic.worked_answer(line) for line in ic.DIRECT_QA_SHOTS.splitlines()[1::2]] == [27, 65]
+    assert ic.DIRECT_QA_SHOTS.count(ic.QA_STOP.strip()) == ic.WORKED_SHOTS.count(ic.QA_STOP.strip())
+
+
+@pytest.mark.slow
+def test_a_smaller_greedy_budget_is_the_first_tokens_of_a_larger_one_and_stops_at_the_next_question(model):
+    from labkit.engine import LLMEngine
+
+    engine = LLMEngine(model)
+    problems = ic.addition_problems(3, seed=2)
+    prompts = [ic.worked_prompt(p) for p in problems]
+    run = dict(n=1, temperature=0.0, parse=ic.worked_answer, prompts=prompts, stop=[ic.QA_STOP])
+    long = ic.sample_answers(engine, problems, max_tokens=64, **run)
+    assert all(ic.QA_STOP not in s.texts[0] for s in long)
+    assert any(s.tokens[0] < 64 for s in long)  # an answer ended at the next question
+    for budget in (5, 20):
+        alone = ic.sample_answers(engine, problems, max_tokens=budget, **run)
+        cut = ic.within_budget(long, budget, model.tokenizer.decode, ic.worked_answer)
+        assert [s.token_ids for s in cut] == [s.token_ids for s in alone]
+        assert [s.answers for s in cut] == [s.answers for s in alone]

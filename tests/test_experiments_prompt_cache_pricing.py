@@ -3,6 +3,8 @@ server's contract against what the engine's prefix cache actually served."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from labkit.experiments import prompt_cache_pricing as pc
@@ -19,10 +21,10 @@ def test_openai_caches_from_1024_tokens_in_steps_of_128(length, expected):
 
 def test_an_explicit_breakpoint_is_written_once_and_read_while_it_lives():
     system = tuple(range(2000))
-    first = pc.CacheRequest(system + (1, 2, 3), arrival_s=0.0, breakpoint_tokens=2000)
-    soon = pc.CacheRequest(system + (4, 5), arrival_s=200.0, breakpoint_tokens=2000)
-    again = pc.CacheRequest(system + (6,), arrival_s=450.0, breakpoint_tokens=2000)
-    late = pc.CacheRequest(system + (7,), arrival_s=450.0 + 301.0, breakpoint_tokens=2000)
+    first = pc.CacheRequest(system + (1, 2, 3), arrival_s=0.0, breakpoints=(2000,))
+    soon = pc.CacheRequest(system + (4, 5), arrival_s=200.0, breakpoints=(2000,))
+    again = pc.CacheRequest(system + (6,), arrival_s=450.0, breakpoints=(2000,))
+    late = pc.CacheRequest(system + (7,), arrival_s=450.0 + 301.0, breakpoints=(2000,))
     billed = pc.predict(ANTHROPIC, [first, soon, again, late])
     assert billed[0] == pc.Billed(read=0, written=2000, ordinary=3)
     assert billed[1] == pc.Billed(read=2000, written=0, ordinary=2)
@@ -32,10 +34,10 @@ def test_an_explicit_breakpoint_is_written_once_and_read_while_it_lives():
 
 def test_a_breakpoint_entry_is_read_whole_or_not_at_all():
     system = tuple(range(1500))
-    first = pc.CacheRequest(system + (1, 2), arrival_s=0.0, breakpoint_tokens=1502)
-    other = pc.CacheRequest(system + (3, 4), arrival_s=1.0, breakpoint_tokens=1502)  # shares 1,500, not 1,502
-    marked = pc.CacheRequest(system + (5,), arrival_s=2.0, breakpoint_tokens=1500)
-    after = pc.CacheRequest(system + (6, 7), arrival_s=3.0, breakpoint_tokens=1502)
+    first = pc.CacheRequest(system + (1, 2), arrival_s=0.0, breakpoints=(1502,))
+    other = pc.CacheRequest(system + (3, 4), arrival_s=1.0, breakpoints=(1502,))  # shares 1,500, not 1,502
+    marked = pc.CacheRequest(system + (5,), arrival_s=2.0, breakpoints=(1500,))
+    after = pc.CacheRequest(system + (6, 7), arrival_s=3.0, breakpoints=(1502,))
     billed = pc.predict(ANTHROPIC, [first, other, marked, after])
     assert billed[1] == pc.Billed(read=0, written=1502, ordinary=0)
     assert billed[2] == pc.Billed(read=0, written=1500, ordinary=1)   # a breakpoint at the system prompt's end
@@ -43,7 +45,7 @@ def test_a_breakpoint_entry_is_read_whole_or_not_at_all():
 
 
 def test_a_prefix_below_the_minimum_is_never_cached_and_costs_nothing_extra():
-    short = [pc.CacheRequest(tuple(range(500)), arrival_s=i, breakpoint_tokens=500) for i in range(3)]
+    short = [pc.CacheRequest(tuple(range(500)), arrival_s=i, breakpoints=(500,)) for i in range(3)]
     billed = pc.predict(ANTHROPIC, short)
     assert all(b == pc.Billed(0, 0, 500) for b in billed)
     assert pc.relative_cost(ANTHROPIC, billed) == 1.0
@@ -58,11 +60,64 @@ def test_relative_cost_and_break_even_follow_the_multipliers():
     assert pc.break_even_reads(OPENAI) == 0.0
 
 
-def test_an_automatic_cache_reads_what_an_earlier_reply_added():
+def test_an_automatic_cache_reads_through_a_reply_only_where_the_contract_caches_replies():
     first = pc.CacheRequest(tuple(range(1100)), reply=tuple(range(5000, 5200)), arrival_s=0.0)
     second = pc.CacheRequest(first.prompt + first.reply + (7,) * 50, arrival_s=10.0)
-    billed = pc.predict(OPENAI, [first, second])
-    assert billed[1].read == pc.cacheable(OPENAI, 1300) == 1280 and billed[1].written == 0
+    billed = pc.predict(OPENAI, [first, second])   # documented: prefixes of earlier prompts
+    assert billed[1].read == pc.cacheable(OPENAI, 1100) == 1024 and billed[1].written == 0
+    ours = pc.predict(pc.labkit_contract(16), [first, second])  # the engine caches what it generated
+    assert ours[1].read == 1296   # 1,300 shared (prompt and reply), cut to full blocks of 16
+
+
+def test_two_breakpoints_let_other_conversations_read_the_system_prompt():
+    system = tuple(range(1200))
+    a = pc.CacheRequest(system + (1,) * 30, arrival_s=0.0, breakpoints=(1200, 1230))
+    b = pc.CacheRequest(system + (2,) * 40, arrival_s=1.0, breakpoints=(1200, 1240))
+    a2 = pc.CacheRequest(a.prompt + (3,) * 20, arrival_s=2.0, breakpoints=(1200, 1250))
+    billed = pc.predict(ANTHROPIC, [a, b, a2])
+    assert billed[0] == pc.Billed(read=0, written=1230, ordinary=0)
+    assert billed[1] == pc.Billed(read=1200, written=40, ordinary=0)   # the system entry, read whole
+    assert billed[2] == pc.Billed(read=1230, written=20, ordinary=0)   # its own earlier turn
+    one = pc.predict(ANTHROPIC, [dataclasses.replace(r, breakpoints=r.breakpoints[1:]) for r in (a, b, a2)])
+    assert one[1] == pc.Billed(read=0, written=1240, ordinary=0)       # one breakpoint: nothing shared
+    assert [u["cache_read_input_tokens"] for u in map(lambda x: pc.usage_fields(ANTHROPIC, x), billed)] == \
+        [0, 1200, 1230]
+
+
+def test_breakpoints_past_the_maximum_or_outside_the_prompt_are_refused_and_none_caches_nothing():
+    prompt = tuple(range(3000))
+    with pytest.raises(ValueError, match="allows 4 breakpoints"):
+        pc.predict(ANTHROPIC, [pc.CacheRequest(prompt, breakpoints=(1100, 1200, 1300, 1400, 1500))])
+    with pytest.raises(ValueError, match="inside the prompt"):
+        pc.predict(ANTHROPIC, [pc.CacheRequest(prompt, breakpoints=(3001,))])
+    bare = [pc.CacheRequest(prompt, arrival_s=float(i)) for i in range(2)]
+    assert pc.predict(ANTHROPIC, bare) == [pc.Billed(0, 0, 3000)] * 2
+
+
+def test_every_provider_figure_comes_from_the_documented_table():
+    for contract in [*pc.PROVIDER_CONTRACTS.values(), pc.OPENAI_BEST_CASE]:
+        for field in ("automatic", "minimum_tokens", "increment_tokens", "write_multiplier", "read_multiplier",
+                      "caches_reply"):
+            assert getattr(contract, field) == pc.documented(contract.name, field), (contract.name, field)
+        assert contract.source in {row.page for row in pc.DOCUMENTED}
+    assert OPENAI.ttl_seconds == 300.0 and pc.OPENAI_BEST_CASE.ttl_seconds == 3600.0
+    assert ANTHROPIC.max_breakpoints == 4 and OPENAI.max_breakpoints is None
+    assert all(row.page.startswith("https://") and row.consulted == pc.CONSULTED for row in pc.DOCUMENTED)
+
+
+def test_usage_fields_are_what_the_official_clients_parse():
+    """The usage objects the calculator writes are the providers' own shapes: the official
+    `anthropic` and `openai` clients' types accept them and read back the same counts."""
+    import anthropic.types
+    import openai.types
+
+    billed = pc.Billed(read=1200, written=40, ordinary=7)
+    usage = anthropic.types.Usage(output_tokens=16, **pc.usage_fields(ANTHROPIC, billed))
+    assert (usage.input_tokens, usage.cache_creation_input_tokens, usage.cache_read_input_tokens) == (7, 40, 1200)
+    fields = pc.usage_fields(OPENAI, billed)
+    usage = openai.types.CompletionUsage(completion_tokens=16, total_tokens=fields["prompt_tokens"] + 16, **fields)
+    assert usage.prompt_tokens == 1247 and usage.prompt_tokens_details.cached_tokens == 1200
+    assert set(usage.model_dump(exclude_none=True)) >= set(fields)
 
 
 @pytest.mark.slow
@@ -90,3 +145,14 @@ def test_our_contract_predicts_the_cached_tokens_the_engine_reports(model):
     predicted = [b.read for b in pc.predict(pc.labkit_contract(engine.config.block_size), played)]
     assert predicted == measured
     assert measured[0] == 0 and measured[2] > measured[1] > 0 and measured[3] == 48
+
+
+def test_common_prefix_agrees_with_a_token_by_token_walk():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(6))]
+        walked = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert pc.common_prefix(a, b) == pc.common_prefix(tuple(b), a) == walked

@@ -1,19 +1,19 @@
 """`ServeModel`: the agent loop's model side, a running `labkit serve` asked over loopback with
-the official `openai` client.
+the official `openai` client, through the chat route's own tool calling.
 
-The chat route takes system, user and assistant turns, and the small models' templates have
-no tool role, so the conversation goes on the wire as the Hermes / Qwen templates render it:
+The tools go as `tools=` (OpenAI function tools) and the calls come back as
+`message.tool_calls`; blocks the server could not read as valid calls come back in
+`message.invalid_tool_calls` (labkit's extension) and become `Problem`s the loop answers. The
+server renders the conversation (labkit.protocols.tool_use): the tools in the system turn,
+each past call as the block the model wrote, each result as wrapped data in a user turn. A
+tool turn answering a call the server never returned as valid (a Problem's) has no call to
+answer on the wire, so it goes as a user turn wrapped the same way.
 
-    system     the caller's system text, then the tools (their JSON specs in <tools>) and how
-               to call one: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    assistant  the reply exactly as generated, tool-call blocks included (so the next prompt
-               starts with this one's tokens and the prefix cache serves them)
-    tool       a user turn: <tool_response>{"name": ..., "content": ...}</tool_response>, the
-               content a JSON string with every "</" written "<\\/" (valid JSON), so a tool's
-               output cannot close the wrapper early and pass text off as the user's
-
-The trace id goes with every request: as X-Request-Id (the server's access log) and in
-`metadata` (with the round).
+Each request's prompt starts with the last one's: the assistant turn re-rendered from its
+calls is the text a forced reply was, and a reply that wrote its blocks in the compact form
+(", " and ": ") is re-rendered byte for byte too, so the prefix cache serves it
+(`ModelTurn.cached_tokens`). The trace id goes with every request: as X-Request-Id (the
+server's access log) and in `metadata` (with the round).
 """
 
 from __future__ import annotations
@@ -21,56 +21,57 @@ from __future__ import annotations
 import json
 
 from labkit.agent.runtime import ModelTurn
-from labkit.agent.tool_calls import parse_reply
-
-TOOL_PROMPT = """You can call tools. To call one, reply with only this, on one line:
-<tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call>
-The tools:
-<tools>
-{tools}
-</tools>
-Each result comes back as <tool_response>{{"name": ..., "content": ...}}</tool_response>. Use it to answer."""
+from labkit.agent.tool_calls import ParsedReply, Problem, ToolCall
+from labkit.protocols.tool_use import ToolResult, result_text
 
 
-def tool_response(message: dict) -> str:
-    body = json.dumps({"name": message.get("name", ""), "content": message["content"]})
-    return "<tool_response>" + body.replace("</", "<\\/") + "</tool_response>"
-
-
-def wire_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+def wire_messages(messages: list[dict]) -> list[dict]:
     """The conversation as the chat route takes it (see the module's docstring)."""
     wire: list[dict] = []
-    system = [m["content"] for m in messages if m["role"] in ("system", "developer")]
-    if tools:
-        system.append(TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools)))
-    if system:
-        wire.append({"role": "system", "content": "\n\n".join(system)})
+    answered: set[str] = set()
     for message in messages:
-        if message["role"] in ("user", "assistant"):
-            wire.append({"role": message["role"], "content": message["content"]})
-        elif message["role"] == "tool":
-            wire.append({"role": "user", "content": tool_response(message)})
+        role = message["role"]
+        if role == "assistant":
+            calls = message.get("tool_calls") or []
+            answered.update(call["id"] for call in calls)
+            wire.append({"role": "assistant", "content": message.get("content") or None, "tool_calls": calls}
+                        if calls else {"role": "assistant", "content": message.get("content") or ""})
+        elif role == "tool" and message["tool_call_id"] in answered:
+            wire.append({"role": "tool", "tool_call_id": message["tool_call_id"],
+                         "content": message["content"]})
+        elif role == "tool":
+            result = ToolResult(message["tool_call_id"], message.get("name", ""), message["content"])
+            wire.append({"role": "user", "content": result_text(result)})
+        else:
+            wire.append({"role": role, "content": message["content"]})
     return wire
 
 
 class ServeModel:
     def __init__(self, base_url: str, model: str, api_key: str = "none", max_tokens: int = 128,
-                 temperature: float = 0.0, timeout: float = 120.0):
+                 temperature: float = 0.0, timeout: float = 120.0, tool_choice: str | dict = "auto"):
         from openai import OpenAI  # the official client; in labkit's `test` extra
 
         self.client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, timeout=timeout,
                              max_retries=0)
         self.model, self.max_tokens, self.temperature = model, max_tokens, temperature
+        self.tool_choice = tool_choice
 
     def generate(self, messages: list[dict], tools: list[dict], trace_id: str, round: int) -> ModelTurn:
+        tooling = {"tools": tools, "tool_choice": self.tool_choice} if tools else {}
         answer = self.client.chat.completions.create(
-            model=self.model, messages=wire_messages(messages, tools), max_tokens=self.max_tokens,
+            model=self.model, messages=wire_messages(messages), max_tokens=self.max_tokens,
             temperature=self.temperature, metadata={"trace_id": trace_id, "round": str(round)},
-            extra_headers={"X-Request-Id": trace_id})
+            extra_headers={"X-Request-Id": trace_id}, **tooling)
         choice, usage = answer.choices[0], answer.usage
         details = usage.prompt_tokens_details
-        reply = choice.message.content or ""
-        return ModelTurn(reply, parse_reply(reply, f"call_{round}"), prompt_tokens=usage.prompt_tokens,
+        message = choice.message
+        calls = [ToolCall(c.id, c.function.name, json.loads(c.function.arguments))
+                 for c in message.tool_calls or ()]
+        invalid = (message.model_extra or {}).get("invalid_tool_calls") or []
+        problems = [Problem(bad["id"], bad.get("arguments") or "", bad["error"]) for bad in invalid]
+        reply = message.content or ""
+        return ModelTurn(reply, ParsedReply(reply, calls, problems), prompt_tokens=usage.prompt_tokens,
                          cached_tokens=(details.cached_tokens or 0) if details else 0,
                          completion_tokens=usage.completion_tokens, finish_reason=choice.finish_reason,
                          response_id=answer.id)

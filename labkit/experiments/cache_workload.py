@@ -48,7 +48,8 @@ def system_prompt(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _streamed(client, model: str, messages: list[dict], max_tokens: int, salt: str) -> tuple[float, str, dict]:
+def _streamed(client, model: str, messages: list[dict], max_tokens: int, salt: str
+              ) -> tuple[float, str, dict]:
     start = time.perf_counter()
     first, pieces, usage = None, [], None
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
@@ -66,15 +67,25 @@ def _streamed(client, model: str, messages: list[dict], max_tokens: int, salt: s
     return first - start, "".join(pieces), usage or {}
 
 
-def play(url: str, model: str, system: str, *, conversations: int, turns: int, max_tokens: int = 16,
-         api_key: str = "unused") -> list[PlayedTurn]:
-    """Play the workload against the server at `url` (loopback) and return every turn. One
-    short request goes first, untimed, so that no turn pays the server's one-off costs."""
+def _client(url: str, api_key: str):
     from openai import OpenAI
 
-    client = OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=300)
+    return OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=300)
+
+
+def _cached(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def play(url: str, model: str, system: str, *, conversations: int, turns: int, max_tokens: int = 16,
+         api_key: str = "unused", scope: str | None = None, cold: bool = True) -> list[PlayedTurn]:
+    """Play the workload against the server at `url` (loopback) and return every turn. One
+    short request goes first, untimed, so that no turn pays the server's one-off costs. The
+    warm sends share the cache scope `scope` (a fresh one by default); with `cold=False` no
+    turn is sent again in a scope of its own (its cold fields are then nan and -1)."""
+    client = _client(url, api_key)
     _streamed(client, model, [{"role": "user", "content": "Hello."}], 2, f"warm-up-{uuid.uuid4().hex}")
-    scope = f"workload-{uuid.uuid4().hex[:8]}"   # one scope for the warm sends of this run
+    scope = scope or f"workload-{uuid.uuid4().hex[:8]}"
     histories = [[{"role": "system", "content": system}] for _ in range(conversations)]
     played = []
     for turn in range(turns):
@@ -82,14 +93,54 @@ def play(url: str, model: str, system: str, *, conversations: int, turns: int, m
             history = histories[c]
             history.append({"role": "user", "content": QUESTIONS[(c + turn) % len(QUESTIONS)]})
             ttft, reply, usage = _streamed(client, model, history, max_tokens, scope)
-            cold_ttft, _, cold_usage = _streamed(client, model, history, max_tokens, f"cold-{uuid.uuid4().hex}")
-            details = usage.get("prompt_tokens_details") or {}
-            cold_details = cold_usage.get("prompt_tokens_details") or {}
-            played.append(PlayedTurn(c, turn, usage.get("prompt_tokens", 0), details.get("cached_tokens") or 0,
-                                     ttft, cold_ttft, cold_details.get("cached_tokens") or 0, reply,
-                                     tuple((m["role"], m["content"]) for m in history)))
+            cold_ttft, cold_cached = float("nan"), -1
+            if cold:
+                salt = f"cold-{uuid.uuid4().hex}"
+                cold_ttft, _, cold_usage = _streamed(client, model, history, max_tokens, salt)
+                cold_cached = _cached(cold_usage)
+            played.append(PlayedTurn(c, turn, usage.get("prompt_tokens", 0), _cached(usage), ttft, cold_ttft,
+                                     cold_cached, reply, tuple((m["role"], m["content"]) for m in history)))
             history.append({"role": "assistant", "content": reply})
     return played
+
+
+@dataclass(frozen=True)
+class KeyProbe:
+    """One send of a prompt under an API key, in a given cache scope, and what the server's own
+    usage said it found cached."""
+
+    sender: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def probe_keys(url: str, model: str, messages: tuple[tuple[str, str], ...], scope: str,
+               sends: list[tuple[str, str]]) -> list[KeyProbe]:
+    """Send one conversation's prompt once per (label, API key) of `sends`, in order, all in the
+    cache scope `scope` (the same `cache_salt`): whether a key finds what another key left."""
+    history = [{"role": r, "content": t} for r, t in messages]
+    probes = []
+    for label, key in sends:
+        _, _, usage = _streamed(_client(url, key), model, history, 1, scope)
+        probes.append(KeyProbe(label, usage.get("prompt_tokens", 0), _cached(usage)))
+    return probes
+
+
+def cold_sweep(url: str, model: str, tokenizer, lengths: list[int], repeats: int = 2,
+               api_key: str = "unused") -> list[tuple[int, float]]:
+    """(prompt tokens, time to first token) of cold sends over a range of prompt lengths: the
+    system prompt cut to each length and one question, each send in a scope of its own, so a
+    line through them can separate a fixed cost from a cost per prompt token."""
+    client = _client(url, api_key)
+    _streamed(client, model, [{"role": "user", "content": "Hello."}], 2, f"warm-up-{uuid.uuid4().hex}")
+    points = []
+    for _ in range(repeats):
+        for length in lengths:
+            history = [{"role": "system", "content": system_prompt(tokenizer, length)},
+                       {"role": "user", "content": QUESTIONS[0]}]
+            ttft, _, usage = _streamed(client, model, history, 1, f"sweep-{uuid.uuid4().hex}")
+            points.append((usage.get("prompt_tokens", 0), ttft))
+    return points
 
 
 def as_cache_requests(played: list[PlayedTurn], tokenizer) -> list[CacheRequest]:

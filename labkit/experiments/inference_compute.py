@@ -2,7 +2,9 @@
 
 Chapter 33 spends more tokens on the same questions in three ways and asks what each buys:
 
-- **serial**: one answer, with a larger token budget (room to "think" before answering);
+- **serial**: one answer, with a larger token budget (room to "think" before answering),
+  beside a control that answers at once in the same Q:/A: format, so that the format and the
+  budget are not confounded;
 - **parallel + majority vote**: N samples at a temperature, the most common answer wins;
 - **best-of-N with a verifier**: N samples, a verifier filters them, majority vote among
   those it accepts. The verifier here is a program: an exact one (an oracle, the ceiling of
@@ -13,6 +15,9 @@ The task is addition with a few-shot prompt: these small models get a useful fra
 and a program knows the answer. Everything is counted per question, so accuracies come with
 a Wilson interval and two methods on the same questions with a paired bootstrap of their
 difference (`paired_difference`), never a bare comparison of two percentages.
+
+Two costs are counted: output tokens (what a provider bills) and sequential decode steps (what
+the user waits for): N forked samples of 4 tokens cost 4N tokens but only 4 steps.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ FEW_SHOT = {1: "3 + 4 = 7\n5 + 2 = 7\n", 2: "23 + 4 = 27\n58 + 7 = 65\n"}
 WORKED_SHOTS = ("Q: 23 + 4\nA: 3 + 4 = 7, so the last digit is 7 and the tens stay 2. The answer is 27.\n"
                 "Q: 58 + 7\nA: 8 + 7 = 15, so the last digit is 5 and we carry 1: 5 + 1 = 6. "
                 "The answer is 65.\n")
+# The serial method's control: the same questions and format, answered at once.
+DIRECT_QA_SHOTS = "Q: 23 + 4\nA: The answer is 27.\nQ: 58 + 7\nA: The answer is 65.\n"
+# Where a Q:/A: answer ends: past it the model invents the next question.
+QA_STOP = "\nQ:"
 INTEGER = re.compile(r"-?\d+")
 ANSWER_IS = re.compile(r"The answer is (-?\d+)")
 
@@ -66,9 +75,10 @@ def first_integer(text: str) -> int | None:
     return int(found.group()) if found else None
 
 
-def worked_prompt(problem: Problem) -> str:
-    """The question in the worked-answer format (`WORKED_SHOTS`)."""
-    return WORKED_SHOTS + f"Q: {' + '.join(map(str, problem.operands))}\nA:"
+def worked_prompt(problem: Problem, shots: str = WORKED_SHOTS) -> str:
+    """The question in the Q:/A: format after `shots` (worked answers by default;
+    `DIRECT_QA_SHOTS` for the control that answers at once)."""
+    return shots + f"Q: {' + '.join(map(str, problem.operands))}\nA:"
 
 
 def worked_answer(text: str) -> int | None:
@@ -105,7 +115,8 @@ def exact_verifier(problem: Problem, answer: int) -> bool:
 
 def last_digit_verifier(problem: Problem, answer: int) -> bool:
     """A partial check, as a unit test is: the sum's last digit, from the operands' last digits.
-    About one wrong answer in ten passes it."""
+    Wrong answers spread evenly over last digits would pass one time in ten; a model's errors
+    are not spread evenly, so `false_accepts` counts how many of its own wrong answers pass."""
     return answer % 10 == sum(x % 10 for x in problem.operands) % 10
 
 
@@ -115,30 +126,56 @@ def best_of_n(problem: Problem, answers: Sequence[int | None], verifier: Verifie
     return majority(accepted) if accepted else majority(answers)
 
 
+def false_accepts(sampled: Sequence["Sampled"], verifier: Verifier) -> tuple[int, int]:
+    """(wrong answers the verifier accepts, wrong answers) over every sample of every question;
+    answers that are not a number are not counted (a verifier never sees them)."""
+    wrong = [(s.problem, a) for s in sampled for a in s.answers if a is not None and a != s.problem.answer]
+    return sum(verifier(problem, a) for problem, a in wrong), len(wrong)
+
+
 # -- sampling ------------------------------------------------------------------------------
 @dataclass
 class Sampled:
-    """One question's answers: `answers[i]` from sample i, `tokens[i]` the tokens it generated."""
+    """One question's answers: `answers[i]` from sample i, `tokens[i]` the tokens it generated
+    (`token_ids[i]` the ids themselves, where kept)."""
 
     problem: Problem
     answers: list[int | None]
     tokens: list[int]
     texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
 
 
 def sample_answers(engine, problems: Sequence[Problem], *, n: int, temperature: float, max_tokens: int,
                    seed: int = 0, parse: Callable[[str], int | None] = first_integer,
-                   prompts: Sequence[str | list[int]] | None = None) -> list[Sampled]:
+                   prompts: Sequence[str | list[int]] | None = None,
+                   stop: Sequence[str] = ()) -> list[Sampled]:
     """`n` samples per question from the engine (one request with `n` samples, so they share
-    the prompt's KV blocks). Temperature 0 gives the greedy answer `n` times over."""
+    the prompt's KV blocks). Temperature 0 gives the greedy answer `n` times over. A sample
+    ends at `max_tokens` or at the first of the `stop` strings."""
     from labkit.sampling import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, stop=tuple(stop))
     outputs = engine.generate(list(prompts) if prompts is not None else [p.prompt for p in problems],
                               params, n=n)
     return [Sampled(p, [parse(s.text) for s in out.samples], [len(s.token_ids) for s in out.samples],
-                    [s.text for s in out.samples])
+                    [s.text for s in out.samples], [list(s.token_ids) for s in out.samples])
             for p, out in zip(problems, outputs)]
+
+
+def within_budget(greedy: Sequence[Sampled], budget: int, decode: Callable[[list[int]], str],
+                  parse: Callable[[str], int | None]) -> list[Sampled]:
+    """What greedy decoding with `max_tokens=budget` answers, read off one longer greedy run:
+    greedy picks each token from the tokens before it alone, so a run cut at `budget` tokens
+    is the longer run's first `budget` tokens. One run at the largest budget serves them all."""
+    rows = []
+    for s in greedy:
+        if len(s.token_ids) != len(s.answers):
+            raise ValueError("within_budget needs the samples' token ids (sample_answers keeps them)")
+        ids = [t[:budget] for t in s.token_ids]
+        texts = [decode(t) for t in ids]
+        rows.append(Sampled(s.problem, [parse(t) for t in texts], [len(t) for t in ids], texts, ids))
+    return rows
 
 
 def correct_at(sampled: Sequence[Sampled], n: int, rule: str, verifier: Verifier | None = None) -> list[bool]:
@@ -168,6 +205,17 @@ def tokens_at(sampled: Sequence[Sampled], n: int) -> float:
     return sum(sum(s.tokens[:n]) for s in sampled) / len(sampled)
 
 
+def steps_at(sampled: Sequence[Sampled], n: int) -> float:
+    """Mean sequential decode steps per question for its first `n` samples: they run side by
+    side, so a question waits for its longest sample, not for their sum."""
+    return sum(max(s.tokens[:n]) for s in sampled) / len(sampled)
+
+
+def samples_read(rule: str, n: int) -> int:
+    """How many of the `n` drawn samples a rule looks at: "first" reads one, the others all."""
+    return 1 if rule == "first" else n
+
+
 # -- intervals -----------------------------------------------------------------------------
 def wilson_interval(successes: int, total: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval for a proportion (sound at 0 and at the total, unlike p +- 2 SE)."""
@@ -177,7 +225,8 @@ def wilson_interval(successes: int, total: int, confidence: float = 0.95) -> tup
     p = successes / total
     centre = (p + z * z / (2 * total)) / (1 + z * z / total)
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval always holds p; the clamps only stop rounding from putting p a hair outside.
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def _normal_quantile(q: float) -> float:
@@ -208,7 +257,8 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool], *, confidence: float
     if len(a) != len(b) or not a:
         raise ValueError("paired_difference needs two equally long, non-empty lists of outcomes")
     diffs = torch.tensor([float(y) - float(x) for x, y in zip(a, b)], dtype=torch.float64)
-    picks = torch.randint(0, len(diffs), (resamples, len(diffs)), generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(diffs), (resamples, len(diffs)), generator=generator)
     means = diffs[picks].mean(dim=1)
     tail = (1 - confidence) / 2
     low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64))
@@ -217,12 +267,15 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool], *, confidence: float
 
 @dataclass(frozen=True)
 class CurvePoint:
+    """One method at N samples drawn; the costs count only the samples the method reads."""
+
     method: str
     samples: int
     tokens_per_question: float
     accuracy: float
     low: float
     high: float
+    steps_per_question: float
 
 
 def accuracy_curve(sampled: Sequence[Sampled], ns: Sequence[int],
@@ -234,5 +287,7 @@ def accuracy_curve(sampled: Sequence[Sampled], ns: Sequence[int],
         for n in ns:
             right = correct_at(sampled, n, rule, verifier)
             low, high = wilson_interval(sum(right), len(right))
-            points.append(CurvePoint(label, n, tokens_at(sampled, n), sum(right) / len(right), low, high))
+            used = samples_read(rule, n)
+            points.append(CurvePoint(label, n, tokens_at(sampled, used), sum(right) / len(right), low, high,
+                                     steps_at(sampled, used)))
     return points

@@ -4,16 +4,20 @@ billed, and what our own server's prefix cache says it served (chapter 32).
 A provider's prompt cache is described to its clients by a handful of documented rules: how
 long a prefix must be before it is cached, in what steps the cached length grows, whether the
 client marks breakpoints or the cache is automatic, how long an entry lives, and what a
-cached read and a cache write cost relative to an ordinary input token. `CachingContract`
-holds those rules, each with the page it comes from and the day we read it; `predict` plays a
-workload of requests through them and says, per request, how many input tokens the contract
-bills as read from the cache, as written to it, and as ordinary input; `relative_cost` turns
-that into a price relative to no caching.
+cached read and a cache write cost relative to an ordinary input token. `DOCUMENTED` is every
+such figure, one row each with the page it comes from and the day we read it, and
+`CachingContract` is built from those rows; `predict` plays a workload of requests (with up to
+the documented number of breakpoints each) through them and says, per request, how many input
+tokens the contract bills as read from the cache, as written to it, and as ordinary input;
+`usage_fields` writes that as the usage object the provider documents, and `relative_cost`
+turns it into a price relative to no caching.
 
 Nothing here claims how any provider implements its cache: the contract is what a client can
 observe (usage fields, prices), nothing more. Our own server's contract (`labkit_contract`)
 is written from our engine's code (chapter 16): full blocks of 16 tokens, the longest cached
-chain of blocks, never the prompt's last token, no minimum, kept until evicted.
+chain of blocks (generated tokens included), never the prompt's last token, no minimum, kept
+until evicted. Checking it against the server checks our reading of the code, nothing more, and
+it knows nothing of eviction: under memory pressure it is an upper bound.
 """
 
 from __future__ import annotations
@@ -22,6 +26,74 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 CONSULTED = "2026-12-06"  # the day the documented figures below were read
+
+
+@dataclass(frozen=True)
+class DocumentedFigure:
+    """One figure a provider's documentation states, where it states it, and when we read it."""
+
+    contract: str    # the contracts it sets (a provider's name: every contract of that provider)
+    figure: str      # the CachingContract field it sets, or a note the calculator does not use
+    value: object
+    statement: str   # what the page says, in our words
+    page: str
+    consulted: str = CONSULTED
+
+
+ANTHROPIC_PAGE = "https://platform.claude.com/en/docs/build-with-claude/prompt-caching"
+OPENAI_PAGE = "https://openai.com/index/api-prompt-caching/"
+OPENAI_GUIDE = "https://platform.openai.com/docs/guides/prompt-caching"
+
+# Every provider figure the calculator uses, and the notes it does not, in one table (the
+# chapter prints it): nothing below is typed anywhere else.
+DOCUMENTED = (
+    DocumentedFigure("anthropic", "automatic", False, "only what the client marks with cache_control "
+                     "breakpoints is cached", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "max_breakpoints", 4, "at most 4 breakpoints per request", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "minimum_tokens", 1024, "minimum cacheable prompt for Sonnet 4 and Opus 4 "
+                     "(other models: 2,048 or 4,096)", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "increment_tokens", 1, "an entry ends exactly at a breakpoint",
+                     ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "read_multiplier", 0.1, "a cache read costs 0.1x the base input price",
+                     ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "caches_reply", False, "an entry is the prompt up to a breakpoint",
+                     ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic, 5-minute", "write_multiplier", 1.25, "a 5-minute cache write costs 1.25x "
+                     "the base input price", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic, 5-minute", "ttl_seconds", 300.0, "5-minute lifetime, refreshed at no cost "
+                     "each time the entry is read", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic, 1-hour", "write_multiplier", 2.0, "a 1-hour cache write costs 2x the base "
+                     "input price", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic, 1-hour", "ttl_seconds", 3600.0, "1-hour lifetime (ttl: 1h)", ANTHROPIC_PAGE),
+    DocumentedFigure("openai", "automatic", True, "every prompt is a candidate, no client marks",
+                     OPENAI_PAGE),
+    DocumentedFigure("openai", "minimum_tokens", 1024, "prompts of 1,024 tokens or more", OPENAI_PAGE),
+    DocumentedFigure("openai", "increment_tokens", 128, "cached lengths grow in 128-token steps",
+                     OPENAI_PAGE),
+    DocumentedFigure("openai", "write_multiplier", 1.0, "no fee to write", OPENAI_PAGE),
+    DocumentedFigure("openai", "read_multiplier", 0.5, "at launch, cached input at half price for GPT-4o "
+                     "(later models list other discounts)", OPENAI_PAGE),
+    DocumentedFigure("openai", "caches_reply", False, "hits are exact prefix matches of earlier prompts; "
+                     "nothing says a reply is cached before it is sent back as a prompt", OPENAI_GUIDE),
+    DocumentedFigure("openai", "ttl_seconds", 300.0, "cleared after 5 to 10 minutes without use: the "
+                     "calculator takes the shorter", OPENAI_PAGE),
+    DocumentedFigure("openai", "ttl_max_seconds", 3600.0, "up to one hour after last use during off-peak "
+                     "periods: the calculator's best case", OPENAI_GUIDE),
+    DocumentedFigure("anthropic", "usage fields", "input_tokens, cache_creation_input_tokens, "
+                     "cache_read_input_tokens", "what the usage object reports", ANTHROPIC_PAGE),
+    DocumentedFigure("openai", "usage fields", "prompt_tokens, prompt_tokens_details.cached_tokens",
+                     "what the usage object reports", OPENAI_GUIDE),
+)
+
+
+def documented(contract: str, figure: str):
+    """The documented value of `figure` for `contract` (its own row, else its provider's)."""
+    provider = contract.split(",")[0].split(" ")[0]
+    for name in (contract, provider):
+        for row in DOCUMENTED:
+            if row.contract == name and row.figure == figure:
+                return row.value
+    raise KeyError(f"no documented {figure!r} for {contract!r}")
 
 
 @dataclass(frozen=True)
@@ -38,43 +110,47 @@ class CachingContract:
     ttl_seconds: float | None    # an entry unused this long is gone (refreshed on every hit); None: until evicted
     max_breakpoints: int | None = None
     never_last_token: bool = False  # the prompt's last token is always computed
+    caches_reply: bool = False   # an automatic cache's entry runs on through the reply's tokens
+    usage: str = "openai"        # which provider's usage fields report it (`usage_fields`)
 
 
-ANTHROPIC_PAGE = "https://platform.claude.com/en/docs/build-with-claude/prompt-caching"
-OPENAI_PAGE = "https://openai.com/index/api-prompt-caching/"
+def _provider_contract(name: str, source: str, **override) -> CachingContract:
+    fields = {f: documented(name, f) for f in ("automatic", "minimum_tokens", "increment_tokens",
+                                                "write_multiplier", "read_multiplier", "ttl_seconds",
+                                                "caches_reply")}
+    if not fields["automatic"]:
+        fields["max_breakpoints"] = documented(name, "max_breakpoints")
+    fields.update(override)
+    return CachingContract(name, source, usage=name.split(",")[0].split(" ")[0], **fields)
+
 
 PROVIDER_CONTRACTS = {
-    # Breakpoints marked with cache_control; 5-minute entries written at 1.25x the base input
-    # price, 1-hour entries at 2x, reads at 0.1x; at most 4 breakpoints; the minimum is per
-    # model (1,024 tokens for Sonnet 4 and Opus 4, 2,048 or 4,096 for others).
-    "anthropic, 5-minute": CachingContract("anthropic, 5-minute", ANTHROPIC_PAGE, False, 1024, 1, 1.25, 0.1,
-                                           300.0, max_breakpoints=4),
-    "anthropic, 1-hour": CachingContract("anthropic, 1-hour", ANTHROPIC_PAGE, False, 1024, 1, 2.0, 0.1,
-                                         3600.0, max_breakpoints=4),
-    # Automatic from 1,024 tokens, in 128-token steps, no write premium; the launch post gives
-    # cached input at half price for the GPT-4o family (later models list other discounts:
-    # the read multiplier is per model); entries cleared after 5-10 minutes of inactivity.
-    "openai (launch, GPT-4o)": CachingContract("openai (launch, GPT-4o)", OPENAI_PAGE, True, 1024, 128, 1.0,
-                                               0.5, 300.0),
+    name: _provider_contract(name, page)
+    for name, page in [("anthropic, 5-minute", ANTHROPIC_PAGE), ("anthropic, 1-hour", ANTHROPIC_PAGE),
+                       ("openai (launch, GPT-4o)", OPENAI_PAGE)]
 }
+# OpenAI's off-peak best case: the same cache, kept for the documented hour.
+OPENAI_BEST_CASE = _provider_contract("openai, off-peak best case", OPENAI_GUIDE,
+                                      ttl_seconds=documented("openai", "ttl_max_seconds"))
 
 
 def labkit_contract(block_size: int = 16) -> CachingContract:
     """Our server's cache, from its code: any full block, no minimum, no price, no TTL."""
     return CachingContract("labkit serve", "labkit/engine/block_manager.py", True, block_size, block_size,
-                           1.0, 1.0, None, never_last_token=True)
+                           1.0, 1.0, None, never_last_token=True, caches_reply=True)
 
 
 @dataclass(frozen=True)
 class CacheRequest:
     """One request of a workload: its prompt's token ids, the ids its reply added to the
     sequence (a later turn's prompt may start with them), when it arrived, and where the
-    client's last cache breakpoint ends (a token count; None: no breakpoint)."""
+    client's cache breakpoints end (token counts, at most the contract's maximum; none: the
+    request marks nothing)."""
 
     prompt: tuple[int, ...]
     reply: tuple[int, ...] = ()
     arrival_s: float = 0.0
-    breakpoint_tokens: int | None = None
+    breakpoints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,12 +167,20 @@ class Billed:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens `a` and `b` share (a bisection over slice comparisons, which run
+    in C: the cost figure plays the workload a few hundred times)."""
+    a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def cacheable(contract: CachingContract, length: int) -> int:
@@ -107,22 +191,37 @@ def cacheable(contract: CachingContract, length: int) -> int:
         * contract.increment_tokens
 
 
+def _check_breakpoints(contract: CachingContract, request: CacheRequest) -> tuple[int, ...]:
+    marks = tuple(sorted(set(request.breakpoints)))
+    if any(not 0 < m <= len(request.prompt) for m in marks):
+        raise ValueError(f"a breakpoint ends inside the prompt (1..{len(request.prompt)}), got {marks}")
+    if contract.max_breakpoints is not None and len(marks) > contract.max_breakpoints:
+        raise ValueError(f"{contract.name} allows {contract.max_breakpoints} breakpoints, got {len(marks)}")
+    return marks
+
+
 def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list[Billed]:
     """Play `requests` (in arrival order) through `contract`'s documented rules.
 
     Entries are token sequences with the time they were last used. An automatic cache reads the
     longest prefix a request shares with a live entry, cut to a cacheable length (and short of
-    the prompt's last token where the contract says so); an explicit one reads only a whole
-    entry, one that ends at a breakpoint some request wrote and that the prompt starts with. An automatic cache then holds the whole sequence
-    (prompt and reply) for later requests and bills no write; an explicit one writes the
-    prompt up to the client's breakpoint, billing the tokens past what it read."""
+    the prompt's last token where the contract says so), then holds the prompt (and the reply,
+    where `caches_reply`) for later requests and bills no write. An explicit cache reads only a
+    whole entry, one that ends at a breakpoint some request wrote, that the prompt starts with
+    and that ends by the request's last breakpoint; it then writes an entry at each of the
+    request's breakpoints past what it read, billing as written every token from the read to
+    the last of them. A request without a breakpoint neither reads nor writes."""
     entries: list[tuple[tuple[int, ...], float]] = []
     billed = []
     for request in requests:
         now, prompt = request.arrival_s, request.prompt
+        marks = () if contract.automatic else _check_breakpoints(contract, request)
         live = [(tokens, used) for tokens, used in entries
                 if contract.ttl_seconds is None or now - used <= contract.ttl_seconds]
-        limit = len(prompt) - 1 if contract.never_last_token else len(prompt)
+        if contract.automatic:
+            limit = len(prompt) - 1 if contract.never_last_token else len(prompt)
+        else:
+            limit = marks[-1] if marks else 0
         read, hit = 0, None
         for index, (tokens, _) in enumerate(live):
             if contract.automatic:
@@ -135,15 +234,27 @@ def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list
             live[hit] = (live[hit][0], now)  # a hit refreshes the entry's time to live
         written = 0
         if contract.automatic:
-            live.append((prompt + request.reply, now))
-        elif request.breakpoint_tokens is not None:
-            end = cacheable(contract, min(request.breakpoint_tokens, len(prompt)))
-            if end > read:
-                written = end - read
-                live.append((prompt[:end], now))
+            live.append((prompt + request.reply if contract.caches_reply else prompt, now))
+        else:
+            ends = [end for end in (cacheable(contract, m) for m in marks) if end > read]
+            if ends:
+                written = max(ends) - read
+                live += [(prompt[:end], now) for end in ends]
         entries = live
         billed.append(Billed(read, written, len(prompt) - read - written))
     return billed
+
+
+def usage_fields(contract: CachingContract, billed: Billed) -> dict:
+    """The input side of the usage object the contract's provider documents for a request
+    billed so (Anthropic: tokens read, written and neither; OpenAI: the prompt and the part of
+    it read from the cache)."""
+    if contract.usage == "anthropic":
+        return {"input_tokens": billed.ordinary, "cache_creation_input_tokens": billed.written,
+                "cache_read_input_tokens": billed.read}
+    if contract.usage == "openai":
+        return {"prompt_tokens": billed.total, "prompt_tokens_details": {"cached_tokens": billed.read}}
+    raise ValueError(f"no usage fields known for {contract.usage!r}")
 
 
 def relative_cost(contract: CachingContract, billed: Sequence[Billed]) -> float:

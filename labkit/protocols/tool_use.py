@@ -52,16 +52,11 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 TOOL_PROMPT = """You can call tools. To call one, reply with only this, on one line:
 <tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call>
-{how_many}
 The tools:
 <tools>
 {tools}
 </tools>
 Each result comes back as <tool_response>{{"name": ..., "content": ...}}</tool_response>. Use it to answer."""
-HOW_MANY = {"auto": "Call a tool only when you need one; otherwise answer in text.",
-            "required": "You must call at least one tool.",
-            "named": "You must call the tool {name}."}
-ONE_AT_A_TIME = " Call one tool at a time."
 
 
 class ToolUseError(ValueError):
@@ -182,6 +177,9 @@ def check_tools(specs: Sequence[ToolSpec], compile: Callable[[ResponseFormat], A
         except jsonschema.SchemaError as error:
             raise ToolUseError(f"{where}: not a valid JSON Schema for {spec.name!r}: {error.message}",
                                where) from None
+        except Exception as error:  # noqa: BLE001 - e.g. a "$schema" that is not a string
+            raise ToolUseError(f"{where}: not a valid JSON Schema for {spec.name!r}: "
+                               f"{type(error).__name__}: {error}", where) from None
         if compile is not None:
             try:
                 compile(ResponseFormat.json_schema(schema))
@@ -198,16 +196,13 @@ def check_choice(specs: Sequence[ToolSpec], choice: ToolChoice) -> None:
         raise ToolUseError(f"tool choice {choice.mode!r} needs tools", "tool_choice")
 
 
-def tool_prompt(specs: Sequence[ToolSpec], choice: ToolChoice) -> str | None:
-    """The system text that describes the tools (None for choice none or no tools)."""
+def tool_prompt(specs: Sequence[ToolSpec], choice: ToolChoice = ToolChoice("auto")) -> str | None:
+    """The system text that describes the tools (None for choice none or no tools). It is the
+    same for every other choice: what a reply must be is the grammar's to force, and a prompt
+    that stays the same from turn to turn is one the prefix cache keeps serving."""
     if choice.mode == "none" or not specs:
         return None
-    how = HOW_MANY[choice.mode].format(name=choice.name)
-    if not choice.parallel:
-        how += ONE_AT_A_TIME
-    shown = [s for s in specs if choice.mode != "named" or s.name == choice.name]
-    return TOOL_PROMPT.format(how_many=how, tools="\n".join(json.dumps(s.described(), ensure_ascii=False)
-                                                            for s in shown))
+    return TOOL_PROMPT.format(tools="\n".join(json.dumps(s.described(), ensure_ascii=False) for s in specs))
 
 
 # -- the conversation --------------------------------------------------------------------------
@@ -323,6 +318,11 @@ def judge_block(block: str, specs: Sequence[ToolSpec] | None, make_id: Callable[
                                arguments=body)
     name, arguments = value["name"], value.get("arguments", {})
     shown = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            return InvalidToolCall(call_id, block, f"the arguments are not JSON: {error}", name, shown)
     if not isinstance(arguments, dict):
         return InvalidToolCall(call_id, block, "the arguments must be a JSON object", name, shown)
     if specs is not None:
@@ -336,8 +336,11 @@ def judge_block(block: str, specs: Sequence[ToolSpec] | None, make_id: Callable[
 
 
 def argument_problem(spec: ToolSpec, arguments: dict) -> str | None:
-    validator = jsonschema.validators.validator_for(spec.parameters)(spec.parameters)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    try:
+        validator = jsonschema.validators.validator_for(spec.parameters)(spec.parameters)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    except Exception as failure:  # noqa: BLE001 - a schema jsonschema cannot apply (an unresolvable $ref)
+        return f"the schema of {spec.name!r} could not be applied to the arguments: {type(failure).__name__}"
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(the arguments)"

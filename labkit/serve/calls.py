@@ -98,6 +98,7 @@ class Call:
     record: RequestRecord | None = None     # its access-log line (labkit.serve.access)
     keepalive_s: float | None = 15.0        # a stream silent this long gets an SSE comment
     echo: list[str] | None = None           # completions' `echo`: each prompt's text, put before its choices'
+    replies: object = None                  # chat: reads tool calls (labkit.serve.openai_tools.ChatToolReplies)
     _first: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its first token's arrival
     _last: dict[int, float] = field(default_factory=dict, init=False)    # choice -> its newest token's arrival
     _ended: dict[int, float] = field(default_factory=dict, init=False)   # prompt p -> its output's arrival
@@ -258,7 +259,8 @@ class Call:
         if render is not None:
             body = render(outputs)
         elif chat:
-            body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens)
+            body = responses.chat_body(self.response_id, self.created, self.model, outputs[0], tokens,
+                                       self.replies)
         else:
             body = responses.completion_body(self.response_id, self.created, self.model, outputs, self.n,
                                              tokens, self.echo)
@@ -303,6 +305,24 @@ class Call:
         for frame in writer.ending():
             yield frame
 
+    def _chunks(self, chat: bool, index: int, event, offset: int) -> list[dict]:
+        """The chunks that carry `event`: one at most (`_chunk`), or, where tool calls are read,
+        a chunk per delta the reader gives (logprobs on the first, the finish reason on the last)."""
+        if not (chat and self.replies is not None):
+            chunk = self._chunk(chat, index, event, offset)
+            return [] if chunk is None else [chunk]
+        logprobs = None
+        if self.logprobs and event.token_id is not None:
+            logprobs = responses.chat_logprobs(self.tokens, [event.token_id], [event.logprob],
+                                               [event.top_logprobs or ()])
+        deltas = self.replies.deltas(index, event.text, event.finished)
+        if (logprobs is not None and not deltas) or (event.finished and not deltas):
+            deltas = [{"content": ""} if logprobs is not None else {}]
+        reason = self.replies.finish_reason(index, event.finish_reason) if event.finished else None
+        return [responses.chat_chunk(self.response_id, self.created, self.model, index, delta,
+                                     reason if i == len(deltas) - 1 else None, logprobs if i == 0 else None)
+                for i, delta in enumerate(deltas)]
+
     def _chunk(self, chat: bool, index: int, event, offset: int) -> dict | None:
         """The chunk that carries `event` (None if it carries nothing); `event.text` is what the
         choice's text grows by, `offset` where the event's token begins in it (completions'
@@ -343,10 +363,10 @@ class Call:
                 if self.echo is not None and index not in opened:  # the prompt opens the choice's text
                     event = replace(event, text=self.echo[index // self.n] + event.text)
                 opened.add(index)
-                chunk = self._chunk(chat, index, event, offsets.get(index, 0))
+                chunks = self._chunks(chat, index, event, offsets.get(index, 0))
                 if self.logprobs and event.token_id is not None:
                     offsets[index] = offsets.get(index, 0) + len(self.tokens.text(event.token_id))
-                if chunk is not None:
+                for chunk in chunks:
                     yield sse(chunk | usage)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"

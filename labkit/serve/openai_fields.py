@@ -2,7 +2,7 @@
 asks for nothing.
 
 Official clients and frameworks send some of these fields at their documented defaults
-(`store: false`, `modalities: ["text"]`, `parallel_tool_calls: true`, ...). Such
+(`store: false`, `modalities: ["text"]`, `service_tier: "auto"`, ...). Such
 a value changes nothing, so it is taken and the answer is the one without it; any other value
 is refused (400 `unsupported_parameter`, naming the field), and null means "not given" as
 everywhere. The values are those of OpenAI's OpenAPI document (vendored in
@@ -29,7 +29,6 @@ CHAT_NO_OPS: dict[str, tuple] = {
     "functions": ONLY_NULL,                # minItems 1: there is no empty list to send
     "modalities": (["text"],),             # "text, which is the default"
     "moderation": ONLY_NULL,
-    "parallel_tool_calls": (True, False),  # default true; with no tools, neither value calls one
     "prediction": ONLY_NULL,
     "prompt_cache_key": ONLY_NULL,
     "prompt_cache_options": ONLY_NULL,
@@ -38,14 +37,12 @@ CHAT_NO_OPS: dict[str, tuple] = {
     "safety_identifier": ONLY_NULL,
     "service_tier": ("auto", "default"),   # default "auto"; this server has one tier, the default
     "store": (False,),                     # default false: nothing is stored
-    "tool_choice": ("none",),              # "`none` is the default when no tools are present"
-    "tools": ONLY_NULL,                    # OpenAI refuses an empty list as well
     "verbosity": ("medium",),              # default "medium"
     "web_search_options": ONLY_NULL,       # sent at all, even {}, it turns web search on
 }
 
 MESSAGE_NO_OPS: dict[str, tuple] = {name: ONLY_NULL for name in
-                                    ("name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call")}
+                                    ("name", "refusal", "audio", "function_call")}
 
 # Obfuscation pads streamed deltas with an `obfuscation` field; labkit's chunks never carry one,
 # so `false` is what this service does anyway and `true` (OpenAI's default) would be ignored.

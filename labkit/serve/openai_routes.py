@@ -17,7 +17,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from labkit.sampling import SamplingParams
-from labkit.serve import prompt_ids
+from labkit.serve import openai_tools, prompt_ids
 from labkit.serve.errors import invalid
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, validate
 from labkit.serve.request_path import EngineWork, RequestPath
@@ -129,8 +129,8 @@ def openai_router(path: RequestPath) -> APIRouter:
         with path.refusals_counted("chat"):
             key, fields = await path.receive(request, lambda body: validate(ChatCompletionRequest, body),
                                              marks)
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                        for m in fields.messages]
+            plan = await openai_tools.tool_plan(fields, tokenizer, path.vocab_size)
+            messages = openai_tools.chat_messages(fields.messages, plan)
             try:
                 ids = await prompt_ids.chat_ids(messages, tokenizer, path.vocab_size)
             except ValueError as error:
@@ -141,7 +141,7 @@ def openai_router(path: RequestPath) -> APIRouter:
             max_tokens = limit if limit is not None else max(1, max_model_len - len(ids))
             n = fields.n or 1
             logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
-            fmt = await response_format(fields, tokenizer, path.vocab_size)
+            fmt = plan.forcing or await response_format(fields, tokenizer, path.vocab_size)
             params = sampling(fields, max_tokens, logprobs, fmt)
             size_param = "max_completion_tokens" if limit is not None else "messages"
             check_engine_limits(path, ids, params, size_param, n)
@@ -151,6 +151,7 @@ def openai_router(path: RequestPath) -> APIRouter:
             streams = path.start(work)
         call = path.call(work, streams, logprobs=logprobs is not None, user=fields.user,
                          metadata=fields.metadata)
+        call.replies = openai_tools.ChatToolReplies(plan) if plan.reads_calls else None
         if fields.stream:
             usage = bool(fields.stream_options and fields.stream_options.include_usage)
             return call.stream(request, chat=True, include_usage=usage)

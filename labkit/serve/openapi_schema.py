@@ -83,10 +83,36 @@ class ChatLogprobs(BaseModel):
     refusal: None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallEntry(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class InvalidToolCallEntry(BaseModel):
+    """labkit's extension (labkit/serve/README.md, "Tool calling"): a block that is not a valid call."""
+
+    id: str
+    name: Optional[str]
+    arguments: Optional[str]
+    error: str
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]  # null when the reply is only tool calls
     refusal: None
+    tool_calls: Optional[list[ToolCallEntry]] = None
+    invalid_tool_calls: Optional[list[InvalidToolCallEntry]] = None
+
+
+class ToolCallDelta(ToolCallEntry):
+    index: int
 
 
 class ChatChoice(BaseModel):
@@ -108,6 +134,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
+    invalid_tool_calls: Optional[list[InvalidToolCallEntry]] = None
 
 
 class ChatChunkChoice(BaseModel):

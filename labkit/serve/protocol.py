@@ -32,6 +32,7 @@ MAX_STOP_STRINGS = 4          # OpenAI's limit
 MAX_N = 16
 MAX_LOGIT_BIAS = 300          # entries: OpenAI's limit (refused above it)
 MAX_LOGIT_BIAS_VALUE = 100    # OpenAI's range: [-100, 100]
+MAX_TOOLS = 128               # OpenAI's limit on `tools`
 MAX_STOP_TOKEN_IDS = 64       # labkit's cap on vLLM's `stop_token_ids` (vLLM has none)
 # a token id as OpenAI's logit_bias keys write it: a decimal integer without sign or leading zero
 TOKEN_ID_KEY = "^(0|[1-9][0-9]*)$"
@@ -248,18 +249,99 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
+# -- tools (labkit.serve.openai_tools turns these into labkit.protocols.tool_use's dataclasses) --
+
+class FunctionDefinition(Strict):
+    """A function tool: its name (checked with the tools as a whole), what it does, and a JSON
+    Schema for its arguments object (absent: no arguments)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class MessageToolCall(Strict):
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatTurn(ChatMessage):
+    """A chat route message: ChatMessage's roles and `tool`; an assistant turn's calls
+    (content may then be null) and a tool turn's `tool_call_id` (checked in `validate`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, Annotated[list[TextPart], Field(min_length=1)], None] = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1)] | None = None
+
+    @property
+    def text(self) -> str:
+        return "" if self.content is None else super().text
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """What `/openapi.json` says a message is: one of the three shapes `check_turns` takes
+        (the model itself has every field optional, so that a refusal names the field)."""
+        shapes = (PlainTurn, AssistantTurn, ToolTurn)
+        return {"oneOf": [handler(shape.__pydantic_core_schema__) for shape in shapes]}
+
+
+Content = Union[str, Annotated[list[TextPart], Field(min_length=1)]]
+
+
+class PlainTurn(Strict):
+    role: Literal["system", "developer", "user"]
+    content: Content
+
+
+class AssistantTurn(Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+
+
+class ToolTurn(Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: Annotated[str, Field(min_length=1)]
+
+
 Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
                           Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
                      Field(max_length=MAX_METADATA_PAIRS)]
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatTurn], Field(min_length=1)]
     metadata: Metadata | None = None  # informational, as `user`: written to the log, nothing else
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[FunctionTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 def _param(loc: tuple) -> str:
@@ -268,13 +350,16 @@ def _param(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not out or part in ChatMessage.model_fields or part in StreamOptions.model_fields \
-                or part in TextPart.model_fields or part in ResponseFormatField.model_fields \
+        elif not out or any(part in m.model_fields for m in PATH_MODELS) \
                 or part in ("name", "description", "schema", "strict", "format", "effort"):
             out += ("." if out else "") + part
         else:
             break
     return out
+
+
+PATH_MODELS = (ChatTurn, StreamOptions, TextPart, ResponseFormatField, FunctionTool, FunctionDefinition,
+               MessageToolCall, CalledFunction)
 
 
 def _describe(value) -> str:
@@ -323,8 +408,10 @@ def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
         body["stream_options"] = check_fields(body["stream_options"], StreamOptions, STREAM_OPTIONS_NO_OPS,
                                               "stream_options.")
     if model is ChatCompletionRequest and isinstance(body.get("messages"), list):
-        body["messages"] = [check_fields(m, ChatMessage, MESSAGE_NO_OPS, f"messages[{i}].")
+        body["messages"] = [check_fields(m, ChatTurn, MESSAGE_NO_OPS, f"messages[{i}].")
                             if isinstance(m, dict) else m for i, m in enumerate(body["messages"])]
+    if model is ChatCompletionRequest and isinstance(body.get("tools"), list):
+        check_tool_types(body["tools"])
     if isinstance(body.get("logit_bias"), dict):
         check_bias_keys(body["logit_bias"])
     try:
@@ -347,4 +434,30 @@ def validate(model: type[SamplingFields], body: dict) -> SamplingFields:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        check_turns(request.messages)
     return request
+
+
+def check_tool_types(tools: list) -> None:
+    """400 naming a tool that is not a function tool (OpenAI's `custom` tools, hosted tools)."""
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise APIError(400, f"tools[{i}]: tools of type {kind!r} are not supported by this service; "
+                                "only function tools are", "unsupported_parameter", f"tools[{i}].type")
+
+
+def check_turns(messages: list[ChatTurn]) -> None:
+    """Which fields go with which role: calls only on an assistant turn, whose content may then
+    be null; a tool turn has a tool_call_id and content; no other turn has either."""
+    for i, m in enumerate(messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise invalid(f"messages[{i}]: only an assistant message has tool_calls",
+                          f"messages[{i}].tool_calls")
+        if (m.tool_call_id is not None) != (m.role == "tool"):
+            raise invalid(f"messages[{i}]: a tool message has a tool_call_id, and only a tool message does",
+                          f"messages[{i}].tool_call_id",
+                          "missing_required_parameter" if m.role == "tool" else "invalid_value")
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise invalid(f"messages[{i}]: content is required (null only for an assistant message with "
+                          "tool_calls)", f"messages[{i}].content", "missing_required_parameter")

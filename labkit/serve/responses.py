@@ -87,15 +87,20 @@ def completion_body(response_id: str, created: int, model: str, outputs: list[Re
 
 
 def chat_body(response_id: str, created: int, model: str, output: RequestOutput,
-              tokens: TokenText | None) -> dict:
+              tokens: TokenText | None, replies=None) -> dict:
+    """`replies` (labkit.serve.openai_tools.ChatToolReplies) reads each choice's text for tool
+    calls: its message and finish reason replace the plain ones."""
     choices = []
     for sample in output.samples:
         logprobs = None
         if tokens is not None:
             logprobs = chat_logprobs(tokens, sample.token_ids, sample.logprobs, sample.top_logprobs)
-        choices.append({"index": sample.index,
-                        "message": {"role": "assistant", "content": sample.text, "refusal": None},
-                        "logprobs": logprobs, "finish_reason": sample.finish_reason})
+        message = {"role": "assistant", "content": sample.text, "refusal": None}
+        reason = sample.finish_reason
+        if replies is not None:
+            message, reason = replies.message(sample.text, reason)
+        choices.append({"index": sample.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage([output])}
 
