@@ -21,6 +21,8 @@ from pydantic import TypeAdapter
 from labkit.serve.errors import APIError
 from labkit.serve.responses_protocol import (RESPONSES_NO_OPS, FunctionCallItem, FunctionCallOutputItem,
                                              MessageItem, ResponsesRequest, messages_of, parse_request)
+from labkit.protocols.tool_use import ToolCall, ToolResult, Turn
+from labkit.serve.responses_tools import turns_of
 from labkit.serve.responses_wire import (Echo, EventSequence, message_item, response_body, sse_event,
                                          status_of, usage_of)
 
@@ -61,28 +63,38 @@ def test_items_become_the_chat_routes_messages():
                                    {"role": "user", "content": "again"}]
 
 
-def test_function_call_items_are_parsed_then_refused_until_tools_come():
-    parsed = parse_request({"model": MODEL, "input": [
-        {"role": "user", "content": "What is 2+2?"},
-        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 2}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": "4"}]})
-    assert isinstance(parsed.items[1], FunctionCallItem) and parsed.items[1].name == "add"
-    assert isinstance(parsed.items[2], FunctionCallOutputItem) and parsed.items[2].output == "4"
-    with pytest.raises(APIError) as caught:
-        messages_of(parsed)
-    assert (caught.value.status, caught.value.code, caught.value.param) == \
-        (400, "unsupported_parameter", "input[1].type")
-    assert "not supported yet" in caught.value.message
+def test_function_call_items_become_the_cores_turns_and_an_unknown_call_id_is_400():
+    items = [{"role": "user", "content": "What is 2+2?"},
+             {"role": "assistant", "content": "Let me add."},
+             {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 2}'},
+             {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": '{"a": 1, "b": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "4"},
+             {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "2"}]}]
+    parsed = parse_request({"model": MODEL, "input": items})
+    assert isinstance(parsed.items[2], FunctionCallItem) and parsed.items[2].name == "add"
+    assert isinstance(parsed.items[4], FunctionCallOutputItem) and parsed.items[4].output == "4"
+    turns = turns_of(parsed)
+    assert turns == [Turn("user", "What is 2+2?"),
+                     Turn("assistant", "Let me add.", (ToolCall("call_1", "add", {"a": 2, "b": 2}),
+                                                       ToolCall("call_2", "add", {"a": 1, "b": 1}))),
+                     ToolResult("call_1", "add", "4"), ToolResult("call_2", "add", "2")]
+    for bad, param in (({"call_id": "call_9"}, "input[4].call_id"), ({"output": "x"}, None)):
+        broken = [dict(item) for item in items]
+        broken[4] |= bad
+        if param is None:
+            broken[2]["arguments"] = "[1, 2]"
+            param = "input[2].arguments"
+        with pytest.raises(APIError) as caught:
+            turns_of(parse_request({"model": MODEL, "input": broken}))
+        assert (caught.value.status, caught.value.param) == (400, param), caught.value.message
 
 
 @pytest.mark.parametrize("field, value, param", [
     ("store", True, "store"), ("previous_response_id", "resp_1", "previous_response_id"),
     ("conversation", "conv_1", "conversation"), ("background", True, "background"),
     ("include", ["message.output_text.logprobs"], "include"),
-    ("tools", [{"type": "function", "name": "f", "parameters": {}, "strict": True}], "tools"),
-    ("tools", [{"type": "web_search"}], "tools"), ("tool_choice", "required", "tool_choice"),
-    ("text", {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "text.format"),
-    ("text", {"format": {"type": "json_object"}}, "text.format"),
+    ("tools", [{"type": "web_search"}], "tools[0].type"),
+    ("tool_choice", {"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice.type"),
     ("text", {"verbosity": "low"}, "text.verbosity"),
     ("truncation", "auto", "truncation"), ("reasoning", {"effort": "low"}, "reasoning"),
     ("stream_options", {"include_obfuscation": True}, "stream_options.include_obfuscation"),
@@ -231,3 +243,47 @@ def test_a_message_items_text_joins_its_parts():
     item = MessageItem(role="user", content=[{"type": "input_text", "text": "a"},
                                              {"type": "input_text", "text": "b"}])
     assert item.text == "a\nb"
+
+
+# -- text.format --------------------------------------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("sent, echoed", [
+    (None, {"type": "text"}),
+    ({"type": "text"}, {"type": "text"}),
+    ({"type": "json_object"}, {"type": "json_object"}),
+    ({"type": "json_schema", "name": "city", "schema": CITY},
+     {"type": "json_schema", "name": "city", "schema": CITY, "strict": False}),
+    ({"type": "json_schema", "name": "city", "schema": CITY, "strict": True, "description": "A city."},
+     {"type": "json_schema", "name": "city", "schema": CITY, "strict": True, "description": "A city."}),
+])
+def test_text_format_is_taken_and_echoed_as_openai_echoes_it(sent, echoed):
+    body = {"model": MODEL, "input": "Hi"} | ({} if sent is None else {"text": {"format": sent}})
+    echo = Echo.of(parse_request(body).fields, MODEL)
+    answer = response_body("resp_1", 1700000000, echo, "completed",
+                           [message_item("msg_1", '{"city": "Paris"}', "completed")], usage_of(5, 3, 0))
+    assert answer["text"] == {"format": echoed}
+    schema_check("Response", answer)
+    parsed = Response.model_validate(answer)
+    assert parsed.text.format.type == echoed["type"]
+
+
+@pytest.mark.parametrize("fmt, code, param", [
+    ({"type": "xml"}, "invalid_type", "text.format.type"),
+    ({"name": "x"}, "missing_required_parameter", "text.format.type"),
+    ({"type": "json_schema", "schema": CITY}, "missing_required_parameter", "text.format.name"),
+    ({"type": "json_schema", "name": "x"}, "missing_required_parameter", "text.format.schema"),
+    ({"type": "json_schema", "name": "no spaces", "schema": CITY}, "invalid_value", "text.format.name"),
+    ({"type": "json_schema", "name": "x", "schema": True}, "invalid_type", "text.format.schema"),
+    ({"type": "json_schema", "name": "x", "schema": CITY, "strict": "yes"}, "invalid_type",
+     "text.format.strict"),
+    ({"type": "json_object", "schema": CITY}, "unknown_parameter", "text.format.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": CITY}}, "unknown_parameter",
+     "text.format.json_schema"),
+])
+def test_a_malformed_text_format_is_400_naming_its_field(fmt, code, param):
+    error = refusal({"model": MODEL, "input": "Hi", "text": {"format": fmt}})
+    assert (error.status, error.code, error.param) == (400, code, param), error.message

@@ -36,6 +36,7 @@ class ModelTurn:
     completion_tokens: int = 0
     finish_reason: str = ""
     response_id: str = ""
+    server_ms: dict[str, float] = field(default_factory=dict)  # the server's stages (Server-Timing)
 
 
 class ModelSide(Protocol):
@@ -81,7 +82,9 @@ class AgentTrace:
                    "started_s": s.started_s, "elapsed_s": s.elapsed_s}
             if s.turn is not None:
                 row |= {"prompt_tokens": s.turn.prompt_tokens, "cached_tokens": s.turn.cached_tokens,
-                        "completion_tokens": s.turn.completion_tokens, "calls": len(s.turn.parsed.calls)}
+                        "completion_tokens": s.turn.completion_tokens, "calls": len(s.turn.parsed.calls),
+                        "prefill_ms": s.turn.server_ms.get("prefill"),
+                        "decode_ms": s.turn.server_ms.get("decode")}
             if s.result is not None:
                 row |= {"ok": s.result.ok, "error": s.result.error.value if s.result.error else None}
             rows.append(row)

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API over the shared request path (text only, for now).
+"""Anthropic's Messages API over the shared request path (text, structured outputs, tools).
 
     POST /v1/messages               one message, whole (JSON) or streamed (Server-Sent Events)
     POST /v1/messages/count_tokens  {"input_tokens": N}: the prompt /v1/messages would run
@@ -9,6 +9,11 @@ conversation gets the same ids, and greedy decoding the same text. The request i
 admitted and submitted by the `RequestPath` like any other; its answer, its events and its
 errors are Anthropic's (`labkit.serve.anthropic_wire`). The API key may come as `x-api-key`,
 as Anthropic's clients send it.
+
+`output_config.format` constrains the answer's text to JSON valid against its schema through
+the engine's grammar mask, as `response_format` does on the chat route (the same compile, the
+same 400 for a schema the grammar engine refuses). It puts nothing in the prompt, so
+`count_tokens` checks it the same way and counts the same prompt with it or without it.
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ from labkit.protocols.templates import encode_conversation
 from labkit.sampling import SamplingParams
 from labkit.serve import prompt_ids
 from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest, parse
+from labkit.serve.anthropic_tools import answer_content, tool_message_events, tool_messages, tool_use_of
 from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS, message_body, message_events
-from labkit.serve.errors import invalid
+from labkit.serve.errors import APIError, invalid
 from labkit.serve.request_path import EngineWork, RequestPath
 from labkit.serve.settings import tenant_of
+from labkit.serve.structured_formats import checked_format
+from labkit.serve.tool_requests import ToolUse
+from labkit.structured.contract import ResponseFormat
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -50,7 +59,8 @@ def before_last_breakpoint(fields: CountTokensRequest) -> list[dict[str, str]] |
                      if fields.system[j].cache_control is not None), None)
     for i, message in enumerate(fields.messages):
         if isinstance(message.content, list):
-            marked = [j for j, block in enumerate(message.content) if block.cache_control is not None]
+            marked = [j for j, block in enumerate(message.content)
+                      if getattr(block, "cache_control", None) is not None]
             if marked:
                 last = (i, marked[-1])
     if last is None:
@@ -65,20 +75,34 @@ def before_last_breakpoint(fields: CountTokensRequest) -> list[dict[str, str]] |
     return whole[:first + i] + [cut]
 
 
+async def output_format(fields: CountTokensRequest, path: RequestPath) -> ResponseFormat | None:
+    """`output_config.format` compiled before any work (`checked_format`); None if not given."""
+    config = fields.output_config
+    if config is None or config.format is None:
+        return None
+    schema = config.format.schema_
+    return await checked_format(lambda: ResponseFormat.json_schema(schema), path.tokenizer, path.vocab_size,
+                                "output_config.format.schema", "output_config.format")
+
+
 def anthropic_router(path: RequestPath) -> APIRouter:
     router = APIRouter()
     tokenizer = path.tokenizer
 
-    async def prompt_of(fields: CountTokensRequest) -> tuple[list[int], int]:
+    async def prompt_of(fields: CountTokensRequest, tool_use: ToolUse | None) -> tuple[list[int], int]:
         """The prompt's ids, and how many of them come before the last cache breakpoint (the
         common prefix of the prompt and the conversation rendered up to the breakpoint)."""
+        messages = conversation(fields) if tool_use is None else tool_messages(fields, tool_use)
         try:
-            ids = await prompt_ids.chat_ids(conversation(fields), tokenizer, path.vocab_size)
+            ids = await prompt_ids.chat_ids(messages, tokenizer, path.vocab_size)
         except ValueError as error:
             raise invalid(str(error), "messages") from None
         cut = before_last_breakpoint(fields)
         if cut is None:
             return ids, 0
+        if tool_use is not None:
+            raise APIError(400, "cache_control breakpoints in a request with tools or tool blocks are not "
+                                "supported by this service yet", "unsupported_parameter", "cache_control")
 
         prefix = await asyncio.to_thread(encode_conversation, tokenizer, cut, False)
         shared = next((k for k, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
@@ -90,13 +114,21 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         marks = {"arrival": arrival}
         with path.refusals_counted("messages"):
             key, fields = await path.receive(request, lambda body: parse(MessagesRequest, body), marks)
-            ids, breakpoint_tokens = await prompt_of(fields)
+            tool_use = await tool_use_of(fields, tokenizer, path.vocab_size)
+            ids, breakpoint_tokens = await prompt_of(fields, tool_use)
             marks["tokenized"] = time.perf_counter()
             path.check_size(ids, fields.max_tokens, "max_tokens", 1)
+            fmt = await output_format(fields, path)
+            if tool_use is not None and tool_use.forced is not None:
+                if fmt is not None:
+                    raise invalid("output_config.format cannot be combined with a tool_choice that forces a "
+                                  "call (any, tool): the call's grammar is the output's",
+                                  "output_config.format")
+                fmt = tool_use.forced
             params = SamplingParams(temperature=1.0 if fields.temperature is None else fields.temperature,
                                     top_p=1.0 if fields.top_p is None else fields.top_p,
                                     top_k=fields.top_k or 0, max_tokens=fields.max_tokens,
-                                    stop=tuple(fields.stop_sequences or ()))
+                                    stop=tuple(fields.stop_sequences or ()), response_format=fmt)
             work = EngineWork("messages", f"msg_{uuid.uuid4().hex}", [ids], params, marks,
                               deadline=path.deadline(request, None, arrival), tenant=tenant_of(key))
             streams = path.start(work)
@@ -104,13 +136,17 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         call = path.call(work, streams, user=user)
         if fields.stream:
             call.attach(request)
-            events = message_events(call, len(ids), params.stop, tokenizer.decode, breakpoint_tokens)
+            if tool_use is not None and tool_use.reads_calls:
+                events = tool_message_events(call, len(ids), params.stop, tokenizer.decode, tool_use)
+            else:
+                events = message_events(call, len(ids), params.stop, tokenizer.decode, breakpoint_tokens)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         def render(outputs) -> dict:
+            content, called = answer_content(outputs[0].samples[0].text, tool_use)
             return message_body(work.response_id, path.settings.model_name, outputs[0], params.stop,
-                                tokenizer.decode, breakpoint_tokens)
+                                tokenizer.decode, breakpoint_tokens, content, called)
 
         return await call.answer(request, shape=ANTHROPIC_ERRORS, render=render)
 
@@ -119,7 +155,8 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         path.authenticate(request)
         fields: CountTokensRequest = parse(CountTokensRequest, await path.read_body(request))
         path.check_model(fields.model)
-        ids, _ = await prompt_of(fields)
+        ids, _ = await prompt_of(fields, await tool_use_of(fields, tokenizer, path.vocab_size))
+        await output_format(fields, path)  # refused as /v1/messages would refuse it; adds no tokens
         return {"input_tokens": len(ids)}
 
     return router

@@ -84,11 +84,17 @@ def usage(output: RequestOutput | None, prompt_tokens: int, breakpoint_tokens: i
 
 
 def message_body(message_id: str, model: str, output: RequestOutput, stops: Sequence[str], decode,
-                 breakpoint_tokens: int) -> dict:
+                 breakpoint_tokens: int, content: list[dict] | None = None, called: bool = False) -> dict:
+    """The whole message; `content` the blocks read from the reply (default: its text as one
+    text block), `called` whether they hold a valid tool call (then `stop_reason` `tool_use`,
+    unless the reply was cut by max_tokens or a stop sequence)."""
     sample = output.samples[0]
     reason, sequence = stop_reason(sample, stops, decode)
+    if called and reason == "end_turn":
+        reason = "tool_use"
     return {"id": message_id, "type": "message", "role": "assistant",
-            "content": [{"type": "text", "text": sample.text}], "model": model,
+            "content": [{"type": "text", "text": sample.text}] if content is None else content,
+            "model": model,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(output, len(output.prompt_token_ids), breakpoint_tokens)}
 

@@ -11,7 +11,6 @@ is OpenAI's (`labkit.serve.calls`, `labkit.serve.responses`), and so is every er
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -23,7 +22,8 @@ from labkit.serve.errors import invalid
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, validate
 from labkit.serve.request_path import EngineWork, RequestPath
 from labkit.serve.settings import tenant_of
-from labkit.structured.contract import InvalidFormat, ResponseFormat
+from labkit.serve.structured_formats import checked_format
+from labkit.structured.contract import ResponseFormat
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -52,27 +52,19 @@ def check_engine_limits(path: RequestPath, ids: list[int], params: SamplingParam
                     tuple(token for token, _ in params.logit_bias))
 
 async def response_format(fields: SamplingFields, tokenizer, vocab_size: int | None) -> ResponseFormat | None:
-    """The request's response format, compiled here once (the engine's compile then hits the
-    cache of its own process) so that a schema the grammar engine refuses is a 400
-    `invalid_json_schema` before any work; None for `text` or no field."""
+    """The request's response format, compiled before any work (`checked_format`); None for
+    `text` or no field."""
     sent = fields.response_format
     if sent is None or sent.type == "text":
         return None
-    try:
-        if sent.type == "json_object":
-            fmt = ResponseFormat.json_object()
-        else:
-            spec = sent.json_schema
-            fmt = ResponseFormat.json_schema({} if spec.schema_ is None else spec.schema_,
-                                             strict=bool(spec.strict), name=spec.name)
-        from labkit.structured.llg import backend_for  # llguidance loads with the first format
-
-        # off the event loop: the first call builds llguidance's tokenizer (0.5-3.5 s)
-        await asyncio.to_thread(lambda: backend_for(tokenizer, vocab_size).compile(fmt))
-    except InvalidFormat as error:
-        where = "response_format.json_schema.schema" if sent.type == "json_schema" else "response_format"
-        raise invalid(f"invalid schema for response_format: {error}", where, "invalid_json_schema") from None
-    return fmt
+    if sent.type == "json_object":
+        return await checked_format(ResponseFormat.json_object, tokenizer, vocab_size, "response_format",
+                                    "response_format")
+    spec = sent.json_schema
+    return await checked_format(
+        lambda: ResponseFormat.json_schema({} if spec.schema_ is None else spec.schema_,
+                                           strict=bool(spec.strict), name=spec.name),
+        tokenizer, vocab_size, "response_format.json_schema.schema", "response_format")
 
 
 def openai_router(path: RequestPath) -> APIRouter:

@@ -10,7 +10,7 @@ is valid OpenAPI 3.1 and every `$ref` points inside it.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -172,6 +172,13 @@ class AnthropicText(BaseModel):
     text: str
 
 
+class AnthropicToolUse(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
 class AnthropicUsage(BaseModel):
     input_tokens: int
     output_tokens: int
@@ -185,9 +192,9 @@ class AnthropicMessage(BaseModel):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
-    content: list[AnthropicText]
+    content: list[Union[AnthropicText, AnthropicToolUse]]
     model: str
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: Optional[str]
     usage: AnthropicUsage
 

@@ -351,7 +351,7 @@ def _param(loc: tuple) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         elif not out or any(part in m.model_fields for m in PATH_MODELS) \
-                or part in ("name", "description", "schema", "strict"):
+                or part in ("name", "description", "schema", "strict", "format", "effort"):
             out += ("." if out else "") + part
         else:
             break

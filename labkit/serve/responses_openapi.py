@@ -6,9 +6,9 @@ there); `tests/test_serve_openapi.py` validates built answers against them, and
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Closed(BaseModel):
@@ -60,8 +60,29 @@ class TextFormatText(Closed):
     type: Literal["text"]
 
 
+class FunctionCallOutput(Closed):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class TextFormatJsonObject(Closed):
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(Closed):
+    type: Literal["json_schema"]
+    name: str
+    schema_: dict = Field(alias="schema")
+    strict: bool
+    description: str = None  # absent unless the request gave one
+
+
 class TextSettings(Closed):
-    format: TextFormatText
+    format: Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema]
 
 
 class ResponseObject(Closed):
@@ -79,7 +100,7 @@ class ResponseObject(Closed):
     max_output_tokens: Optional[int]
     max_tool_calls: None
     model: str
-    output: list[OutputMessage]
+    output: list[Union[OutputMessage, FunctionCallOutput]]
     parallel_tool_calls: bool
     previous_response_id: None
     reasoning: None
@@ -87,7 +108,7 @@ class ResponseObject(Closed):
     store: Literal[False]
     temperature: float
     text: TextSettings
-    tool_choice: Literal["none", "auto"]
+    tool_choice: Union[Literal["none", "auto", "required"], dict]
     tools: list[dict]
     top_logprobs: int
     top_p: float
@@ -103,16 +124,19 @@ class ResponseStreamEvent(Closed):
     type: Literal["response.created", "response.in_progress", "response.output_item.added",
                   "response.content_part.added", "response.output_text.delta", "response.output_text.done",
                   "response.content_part.done", "response.output_item.done", "response.completed",
-                  "response.incomplete", "response.failed", "error"]
+                  "response.incomplete", "response.failed", "error", "response.function_call_arguments.delta",
+                  "response.function_call_arguments.done"]
     sequence_number: int
     response: ResponseObject = None
     output_index: int = None
     content_index: int = None
     item_id: str = None
-    item: OutputMessage = None
+    item: Union[OutputMessage, FunctionCallOutput] = None
     part: OutputTextPart = None
     delta: str = None
     text: str = None
+    name: str = None
+    arguments: str = None
     logprobs: list[dict] = None
     code: str = None
     message: str = None

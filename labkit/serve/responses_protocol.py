@@ -1,18 +1,20 @@
 """What a Responses API request (`POST /v1/responses`) may say, checked before any work.
 
 The subset a local, stateless server serves: `input` as a string or a list of items,
-`instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`, informational
-`metadata` and `user`, and labkit's own sampling and admission fields. The body's bytes are
-read by `labkit.serve.protocol.parse_json_body`; the field rules are the chat route's: unknown
-fields get 400 `unknown_parameter`; OpenAI's fields this service does not implement are taken
-only at a value that asks for nothing (`RESPONSES_NO_OPS`) and refused otherwise with 400
-`unsupported_parameter` and a reason (this server keeps no state; tools and structured text
-are not supported yet); the models are strict (`"5"` is not a token count).
+`instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format` (plain
+text, `json_object` or `json_schema`: structured outputs, as chat's `response_format`),
+function `tools`, `tool_choice`, `parallel_tool_calls`, informational `metadata` and `user`,
+and labkit's own sampling and admission fields. The body's bytes are read by
+`labkit.serve.protocol.parse_json_body`; the field rules are the chat route's: unknown fields
+get 400 `unknown_parameter`; OpenAI's fields this service does not implement are taken only at
+a value that asks for nothing (`RESPONSES_NO_OPS`) and refused otherwise with 400
+`unsupported_parameter` and a reason (this server keeps no state and has no hosted tools);
+the models are strict (`"5"` is not a token count).
 
 Input items are read by their `type`: `message` (the default, as OpenAI's "easy" messages have
-none), `function_call` and `function_call_output` are parsed into their models, so the day
-tool calling comes they only need `tool_turn` to render them; until then that function refuses
-them. Every other item type (`item_reference`, `reasoning`, hosted tools' calls) is refused.
+none), `function_call` and `function_call_output` (rendered by the tool-calling core:
+`labkit.serve.responses_tools`). Every other item type (`item_reference`, `reasoning`, hosted
+tools' calls) is refused.
 """
 
 from __future__ import annotations
@@ -41,11 +43,7 @@ RESPONSES_NO_OPS: dict[str, tuple[tuple, str]] = {
     "background": ((False,), NO_STATE + "; background responses are stored to be polled"),
     "prompt": (ONLY_NULL, NO_STATE + "; stored prompt templates do not exist here"),
     "include": (([],), "this server adds no extra output data (sources, logprobs, encrypted reasoning)"),
-    "tools": (([],), "function tools are " + NOT_YET + "; hosted tools (web search, file search, code "
-              "interpreter, computer use, MCP, image generation) do not exist here"),
-    "tool_choice": (("none", "auto"), "there are no tools: \"auto\" calls none, and nothing can be required"),
-    "parallel_tool_calls": ((True, False), "there are no tools"),
-    "max_tool_calls": (ONLY_NULL, "there are no tools"),
+    "max_tool_calls": (ONLY_NULL, "no hosted tools run here (a reply's function calls all come back)"),
     "reasoning": (ONLY_NULL, "the served models have no reasoning settings"),
     "service_tier": (("auto", "default"), "this server has one tier, the default"),
     "truncation": (("disabled",), "input is never truncated: a conversation beyond the context gets 400"),
@@ -150,12 +148,53 @@ OTHER_ITEM_TYPES = ("item_reference", "reasoning", "compaction", "file_search_ca
 
 # -- the request -------------------------------------------------------------------------------
 
-class TextFormat(Strict):
+class TextFormatText(Strict):
+    """Plain text: no constraint (the default)."""
+
     type: Literal["text"]
 
 
+class TextFormatJsonObject(Strict):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(Strict):
+    """JSON valid against `schema`; `name` as OpenAI's (letters, digits, '_' and '-', at most
+    64); with `strict` the schema must follow OpenAI's strict rules."""
+
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+TextFormat = Annotated[Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema],
+                       Field(discriminator="type")]
+TEXT_FORMATS: dict[str, type[BaseModel]] = {"text": TextFormatText, "json_object": TextFormatJsonObject,
+                                            "json_schema": TextFormatJsonSchema}
+
+
 class ResponseText(Strict):
-    format: dict | None = None   # read by `text_format` (json_schema slots in there)
+    format: TextFormat | None = None
+
+
+class FunctionTool(Strict):
+    """A function the model may call (OpenAI's FunctionTool); `strict` is taken: labkit checks
+    every call's arguments against `parameters` either way."""
+
+    type: Literal["function"]
+    name: str
+    parameters: dict | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(Strict):
+    type: Literal["function"]
+    name: str
 
 
 class ResponsesStreamOptions(Strict):
@@ -172,6 +211,9 @@ class ResponsesRequest(Strict):
     metadata: Metadata | None = None           # informational, as chat's: written to the log
     user: Annotated[str, Field(max_length=256)] | None = None
     text: ResponseText | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceFunction, None] = None
+    parallel_tool_calls: bool | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
     # labkit's own, as on the chat route
@@ -192,14 +234,17 @@ class ParsedResponsesRequest:
 
     fields: ResponsesRequest
     items: list[InputItem]
-    tool_choice: str | None = None  # a no-op value the request sent, echoed in the response
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.fields.tools) or any(not isinstance(item, MessageItem) for item in self.items)
 
 
 # -- errors in the chat route's words ------------------------------------------------------------
 
 KNOWN_FIELDS = set().union(*(m.model_fields for m in (ResponsesRequest, MessageItem, InputText, OutputText,
                                                        FunctionCallItem, FunctionCallOutputItem, ResponseText,
-                                                       TextFormat)))
+                                                       FunctionTool, *TEXT_FORMATS.values())), {"schema"})
 
 
 def param_of(loc: tuple, where: str = "") -> str:
@@ -268,54 +313,70 @@ def parse_item(item, where: str) -> InputItem:
     return parsed
 
 
-def text_format(text: ResponseText | None) -> None:
-    """The seam for structured text: only plain text today."""
-    if text is None or text.format is None:
+def check_text_format(body: dict) -> None:
+    """`text.format` read by its `type` (as input items are), so that a wrong one gets 400
+    naming its own field rather than the union's."""
+    text = body.get("text")
+    sent = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(sent, dict):
         return
-    kind = text.format.get("type")
-    if kind in ("json_schema", "json_object"):
-        raise APIError(400, f"text.format: {kind} is {NOT_YET} (plain text only: {{\"type\": \"text\"}})",
-                       "unsupported_parameter", "text.format")
-    model_or_400(TextFormat, text.format, "text.format")
+    kind = sent.get("type")
+    if kind not in TEXT_FORMATS:
+        raise invalid(f"text.format.type: must be one of {sorted(TEXT_FORMATS)} (got {shown(kind)})",
+                      "text.format.type", "missing_required_parameter" if kind is None else "invalid_type")
+    model = TEXT_FORMATS[kind]
+    unknown = [key for key in sent if key not in {f.alias or name for name, f in model.model_fields.items()}]
+    if unknown:  # first, as a misplaced field (chat's nested json_schema) is the likelier mistake
+        raise APIError(400, f"unknown parameter text.format.{unknown[0]} (in a {kind} format)",
+                       "unknown_parameter", f"text.format.{unknown[0]}")
+    model_or_400(model, sent, "text.format")
+
+
+def check_tools_field(body: dict) -> None:
+    """400 naming a tool that is not a function tool (OpenAI's hosted tools do not exist here),
+    and a tool choice that is not one of function tools'."""
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise APIError(400, f"tools[{i}].type: {kind} tools do not exist on this server (function tools "
+                                "only)", "unsupported_parameter", f"tools[{i}].type")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") not in (None, "function"):
+        raise APIError(400, f"tool_choice.type: {shown(choice.get('type'))} is not supported here (\"none\", "
+                            "\"auto\", \"required\" or {\"type\": \"function\", \"name\": ...})",
+                       "unsupported_parameter", "tool_choice.type")
 
 
 def parse_request(body: dict) -> ParsedResponsesRequest:
     """The checked request, or a 400 naming the first field it cannot take."""
-    tool_choice = body.get("tool_choice") if isinstance(body, dict) else None
     body = refuse_what_asks_for_something(body, RESPONSES_NO_OPS)
+    check_tools_field(body)
     for name, no_ops in (("text", TEXT_NO_OPS), ("stream_options", STREAM_OPTIONS_NO_OPS)):
         if isinstance(body.get(name), dict):
             body[name] = refuse_what_asks_for_something(body[name], no_ops, f"{name}.")
+    check_text_format(body)
     fields = model_or_400(ResponsesRequest, body)
     if fields.stream_options is not None and not fields.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    text_format(fields.text)
     if isinstance(fields.input, str):
         items: list[InputItem] = [MessageItem(role="user", content=fields.input)]
     else:
         items = [parse_item(item, f"input[{i}]") for i, item in enumerate(fields.input)]
-    return ParsedResponsesRequest(fields, items, tool_choice)
+    return ParsedResponsesRequest(fields, items)
 
 
 # -- the conversation --------------------------------------------------------------------------
 
-def tool_turn(item: FunctionCallItem | FunctionCallOutputItem, where: str) -> dict:
-    """The seam for tool calling: a function call or its output as a chat-template turn.
-    Tool calling is not served yet, so these items are refused here, after parsing."""
-    raise APIError(400, f"{where}: {item.type} items are {NOT_YET} (tool calling comes with function tools)",
-                   "unsupported_parameter", f"{where}.type")
-
-
 def messages_of(request: ParsedResponsesRequest) -> list[dict]:
-    """The chat-template conversation: `instructions` as the system message, then the items,
-    `developer` read as `system` (as the chat route reads it)."""
+    """The chat-template conversation of a request without tools or tool items (those go
+    through the tool-calling core: `labkit.serve.responses_tools`): `instructions` as the
+    system message, then the items, `developer` read as `system` (as the chat route reads it)."""
     messages = []
     if request.fields.instructions is not None:
         messages.append({"role": "system", "content": request.fields.instructions})
-    for i, item in enumerate(request.items):
+    for item in request.items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": item.text})
-        else:
-            messages.append(tool_turn(item, f"input[{i}]"))
     return messages

@@ -48,14 +48,33 @@ class Echo:
     top_p: float = 1.0
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
-    tool_choice: str = "auto"
+    tool_choice: str | dict = "auto"
+    text_format: dict = field(default_factory=lambda: {"type": "text"})
+    tools: list[dict] = field(default_factory=list)
+    parallel_tool_calls: bool = True
 
     @classmethod
-    def of(cls, fields: ResponsesRequest, model: str, tool_choice: str | None = None) -> "Echo":
+    def of(cls, fields: ResponsesRequest, model: str) -> "Echo":
+        choice = fields.tool_choice
+        tools = [{"type": "function", "name": t.name, "description": t.description,
+                  "parameters": t.parameters, "strict": t.strict} for t in fields.tools or ()]
         return cls(model, fields.instructions, fields.max_output_tokens,
                    1.0 if fields.temperature is None else fields.temperature,
                    1.0 if fields.top_p is None else fields.top_p, dict(fields.metadata or {}), fields.user,
-                   tool_choice or "auto")
+                   "auto" if choice is None else choice if isinstance(choice, str) else choice.model_dump(),
+                   text_format_echo(fields), tools, fields.parallel_tool_calls is not False)
+
+
+def text_format_echo(fields: ResponsesRequest) -> dict:
+    """`text.format` as OpenAI's answer repeats it: the format sent, `strict` as it applied
+    (false unless sent true); `description` only if sent (OpenAI's schema has no null for it)."""
+    sent = fields.text.format if fields.text is not None else None
+    if sent is None:
+        return {"type": "text"}
+    echo = sent.model_dump(by_alias=True, exclude_none=True)
+    if sent.type == "json_schema":
+        echo["strict"] = bool(sent.strict)
+    return echo
 
 
 def usage_of(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
@@ -93,10 +112,11 @@ def response_body(response_id: str, created_at: int, echo: Echo, status: str, ou
             "completed_at": int(time.time()) if done else None, "background": False, "error": error,
             "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
             "instructions": echo.instructions, "max_output_tokens": echo.max_output_tokens,
-            "max_tool_calls": None, "model": echo.model, "output": output, "parallel_tool_calls": True,
+            "max_tool_calls": None, "model": echo.model, "output": output,
+            "parallel_tool_calls": echo.parallel_tool_calls,
             "previous_response_id": None, "reasoning": None, "service_tier": "default", "store": False,
-            "temperature": echo.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": echo.tool_choice, "tools": [], "top_logprobs": 0, "top_p": echo.top_p,
+            "temperature": echo.temperature, "text": {"format": echo.text_format},
+            "tool_choice": echo.tool_choice, "tools": echo.tools, "top_logprobs": 0, "top_p": echo.top_p,
             "truncation": "disabled", "metadata": echo.metadata}
     # OpenAI's schema has no null for these: absent until known (usage), or not given (user)
     if usage is not None:
@@ -167,12 +187,14 @@ def usage_of_output(output: RequestOutput) -> dict:
                     output.cached_prompt_tokens)
 
 
-def whole_response(response_id: str, created_at: int, echo: Echo, output: RequestOutput) -> dict:
-    """The answer to a request without `stream`: its one sample as the assistant's message."""
+def whole_response(response_id: str, created_at: int, echo: Echo, output: RequestOutput,
+                   items: list[dict] | None = None) -> dict:
+    """The answer to a request without `stream`: its one sample as the assistant's message, or
+    the output `items` read from it (labkit.serve.responses_tools)."""
     sample = output.samples[0]
     status, reason = status_of(sample.finish_reason)
-    item = message_item(new_message_id(), sample.text, status)
-    return response_body(response_id, created_at, echo, status, [item], usage_of_output(output), reason)
+    items = [message_item(new_message_id(), sample.text, status)] if items is None else items
+    return response_body(response_id, created_at, echo, status, items, usage_of_output(output), reason)
 
 
 @dataclass

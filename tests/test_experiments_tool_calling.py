@@ -1,0 +1,171 @@
+"""Chapter 34's experiment module: the call-format table against json + jsonschema read
+independently, the task scoring against hand-labelled traces, the Server-Timing reader, and
+(slow) the cached and cold resumes against a live `labkit serve`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from labkit.agent.runtime import ScriptedModel, run_agent
+from labkit.agent.serve_model import server_timing
+from labkit.agent.toolbox import default_registry
+from labkit.experiments import tool_calling as tc
+
+
+def reference_outcome(reply: str) -> str:
+    """What the call in `reply` should come to, read with json and jsonschema directly."""
+    match = re.search(r"<tool_call>(.*?)</tool_call>", reply, re.DOTALL)
+    if match is None:
+        return "bad_arguments"
+    try:
+        call = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return "bad_arguments"
+    tools = {s["function"]["name"]: s["function"]["parameters"] for s in default_registry().specs()}
+    if call["name"] not in tools:
+        return "refused"
+    arguments = call["arguments"]
+    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    if not jsonschema.Draft202012Validator(tools[call["name"]]).is_valid(arguments):
+        return "bad_arguments"
+    try:
+        eval(compile(arguments["expression"], "<case>", "eval"), {"__builtins__": {}})  # literals only
+    except ZeroDivisionError:
+        return "bad_arguments"
+    return "ok"
+
+
+def test_call_format_rows_agree_with_json_and_jsonschema():
+    rows = tc.call_format_rows()
+    assert [r["the reply holds"] for r in rows] == [label for label, _ in tc.FORMAT_CASES]
+    for row, (_, reply) in zip(rows, tc.FORMAT_CASES):
+        assert row["outcome"] == reference_outcome(reply), row
+        # a call that failed before the handler never reached the tool's code
+        refused_early = row["outcome"] == "refused" or (
+            row["outcome"] == "bad_arguments" and "ZeroDivisionError" not in row["the model is told"])
+        assert row["tool code ran"] is not refused_early
+        assert row["the model is told"].startswith("error (") is (row["outcome"] != "ok")
+
+
+def test_counted_counts_runs_of_the_tools_code_only():
+    registry, runs = tc.counted(default_registry())
+    registry.call("calculator", {"expression": "1 + 1"})
+    registry.call("calculator", {"expr": "1"})
+    registry.call("shell", {})
+    assert runs == {"calculator": 1}
+
+
+def test_the_scripted_injection_runs_only_the_note():
+    trace, runs = tc.scripted_injection(None)
+    assert runs == {"read_note": 1}
+    assert [s.name for s in trace.tool_steps()] == ["read_note"]
+    assert trace.messages[2]["content"] == tc.INJECTION  # the output kept as it was, as data
+
+
+def trace_of(replies: list[str], question: str = "What is 2 + 3?"):
+    return run_agent(ScriptedModel(replies), default_registry(), [{"role": "user", "content": question}],
+                     max_rounds=2)
+
+
+@pytest.mark.parametrize("replies, expected", [
+    ([tc.call_text("calculator", expression="2 + 3"), "It is 5."], (True, True, True, True)),
+    ([tc.call_text("calculator", expression="2 * 3"), "It is 6."], (True, True, False, False)),
+    ([tc.call_text("calculator", expr="2 + 3"), "It is 5."], (True, False, False, True)),
+    (["2 + 3 = 5."], (False, False, False, True)),
+    (["The sum is 1,005 or 15."], (False, False, False, False)),
+    ([tc.call_text("word_count", text="a b c d e"), "5"], (True, True, False, True)),
+    ([tc.call_text("calculator", expression="2 + 3"), tc.call_text("calculator", expression="5")],
+     (True, True, True, False)),  # never answered within the rounds
+])
+def test_tool_use_outcome(replies, expected):
+    outcome = tc.tool_use_outcome(tc.Task("What is 2 + 3?", 5), trace_of(replies))
+    assert (outcome.attempted, outcome.valid, outcome.right_call, outcome.right_answer) == expected
+
+
+def test_arithmetic_tasks_are_reproducible_and_right():
+    tasks = tc.arithmetic_tasks(30, seed=3)
+    assert tasks == tc.arithmetic_tasks(30, seed=3) and tasks != tc.arithmetic_tasks(30, seed=4)
+    for task in tasks:
+        a, op, b = re.match(r"What is (\d+) ([-+*]) (\d+)\?", task.question).groups()
+        assert task.answer == eval(f"{a} {op} {b}")
+
+
+def test_numbers_in():
+    assert tc.numbers_in("It is -32, not 1,005 or 7.") == [-32, 1005, 7]
+
+
+def test_server_timing():
+    assert server_timing("read;dur=0.12, prefill;dur=52.3,decode;dur=7") == {
+        "read": 0.12, "prefill": 52.3, "decode": 7.0}
+    assert server_timing(None) == {}
+
+
+def test_escapes_name_the_attempts_of_issue_32():
+    attempts = tc.escapes(8123, 4242)
+    assert len(attempts) == 6 and "8123" in attempts["connect to the server's port"]
+    assert "/proc/4242/environ" in attempts["read the server's environment"]
+    for code in attempts.values():
+        compile(code, "<attempt>", "exec")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with tc.agent_server() as live:
+        yield live
+
+
+@pytest.mark.slow
+def test_cached_and_cold_resumes_over_http(server):
+    traces, rows = tc.cached_and_cold(server.url, tc.COPY_A_CALL, repeats=1, max_rounds=2)
+    assert [r["round"] for r in rows] == [0, 1] and len(traces) == 1
+    first, resume = rows
+    assert first["calls"] == 1 and first["cached_tokens"] == 0  # a scope of its own: nothing cached
+    # the resume's prompt starts with the first and its reply: the cache serves at least the
+    # first prompt's whole blocks; the cold replay of the same request finds nothing
+    assert first["prompt_tokens"] // 16 * 16 - 16 <= resume["cached_tokens"] < resume["prompt_tokens"]
+    assert resume["cold_cached_tokens"] == 0 and first["cold_cached_tokens"] == 0
+    assert all(r["same_reply"] for r in rows)
+    assert resume["prefill_ms"] > 0 and resume["cold_prefill_ms"] > 0
+    count = tc.boundaries_on_the_wire(server.url, tc.scripted_injection(None)[0].messages,
+                                      tc.injection_registry(None)[0].specs())
+    assert count.im_start_ids == count.turns  # the injected <|im_start|> is not one of them
+    assert count.injected_as_text[2:5] == ["im", "_", "start"]
+    # the rendering the chapter tokenizes is the chat route's: the same prompt length
+    trace, _ = tc.scripted_injection(None)
+    specs = tc.injection_registry(None)[0].specs()
+    rendered = tc.template_messages(trace.messages, specs)
+    ids = httpx.post(server.url + "/tokenize", timeout=60, json={
+        "model": tc.MODEL, "messages": rendered, "add_generation_prompt": True}).json()["count"]
+    wire = [dict(m) for m in trace.messages]
+    wire[1] = {"role": "assistant", "content": None, "tool_calls": wire[1]["tool_calls"]}
+    answer = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": tc.MODEL, "messages": [{k: v for k, v in m.items() if k != "name"} for m in wire],
+        "tools": specs, "max_tokens": 1}).json()
+    assert answer["usage"]["prompt_tokens"] == ids
+
+
+def test_forced_first_forces_only_the_first_round():
+    import httpx2
+    from openai import OpenAI
+    from test_agent_serve_model import ANSWER
+
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx2.Response(200, json=ANSWER)
+
+    model = tc.ForcedFirst("http://127.0.0.1:9", max_tokens=8)
+    for side in (model.forced, model.free):
+        side.client = OpenAI(base_url="http://127.0.0.1:9/v1", api_key="none", max_retries=0,
+                             http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+    tools = default_registry().specs()
+    for round in range(3):
+        model.generate([{"role": "user", "content": "2 + 3?"}], tools, "t", round)
+    assert [body["tool_choice"] for body in seen] == ["required", "auto", "auto"]
+    assert all(body["tools"] == tools for body in seen)
