@@ -14,6 +14,7 @@ from conftest import SMOL_LOGIT_ERROR, assert_solo_greedy, assert_solo_sampled, 
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
 from labkit.structured import InvalidFormat, ResponseFormat
+from labkit.structured.contract import MaskClock
 
 SCHEMA = {
     "type": "object",
@@ -219,5 +220,13 @@ def test_mask_clock_times_each_step_with_its_constrained_rows(model):
     # one entry per step with constrained rows, each row's mask counted once
     assert sum(rows for _, rows in clock.steps) == clock.tokens > 0
     assert {rows for _, rows in clock.steps} <= {1, 2} and len(clock.steps) <= 6
-    assert all(seconds > 0 for seconds, _ in clock.steps)
+    assert all(seconds > 0 for seconds, _ in clock.steps) and clock.steps_recorded == len(clock.steps)
     assert no_blocks_held(engine)
+
+
+def test_mask_clock_keeps_a_bounded_tail_of_steps():
+    clock = MaskClock()
+    clock.MAX_STEPS = 3
+    for k in range(10):
+        clock.record_step(float(k), 1)
+    assert clock.steps_recorded == 10 and len(clock.steps) <= 6 and clock.steps[-1] == (9.0, 1)

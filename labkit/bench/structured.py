@@ -144,7 +144,7 @@ def one_batch(engine: LLMEngine, prompt: list[int], config: StructuredConfig, co
     params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=config.max_tokens,
                              response_format=fmt if constrained and i % 2 == 0 else None)
               for i in range(config.concurrency)]
-    clock_before = (engine.mask_clock.seconds, engine.mask_clock.tokens, len(engine.mask_clock.steps))
+    clock_before = (engine.mask_clock.seconds, engine.mask_clock.tokens, engine.mask_clock.steps_recorded)
     started = time.perf_counter()
     outs = engine.generate([prompt] * config.concurrency, params)
     seconds = time.perf_counter() - started
@@ -152,7 +152,8 @@ def one_batch(engine: LLMEngine, prompt: list[int], config: StructuredConfig, co
     mask_s, mask_tokens = (engine.mask_clock.seconds - clock_before[0], engine.mask_clock.tokens - clock_before[1])
     return {"constrained": constrained, "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "mask_seconds": mask_s, "constrained_tokens": mask_tokens,
-            "mask_steps": engine.mask_clock.steps[clock_before[2]:],
+            "mask_steps": engine.mask_clock.steps[len(engine.mask_clock.steps)
+                                                  - (engine.mask_clock.steps_recorded - clock_before[2]):],
             "finish": sorted({o.samples[0].finish_reason for o in outs})}
 
 

@@ -95,7 +95,7 @@ def _allowed(seqs: list[Sequence], vocab_size: int, clock: MaskClock | None) -> 
     if clock is not None:
         done = time.perf_counter()
         clock.seconds += done - started
-        clock.steps.append((done - step_started, len(seqs)))
+        clock.record_step(done - step_started, len(seqs))
     return allowed
 
 
