@@ -14,6 +14,7 @@ from conftest import SMOL_LOGIT_ERROR, assert_solo_greedy, assert_solo_sampled, 
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
 from labkit.structured import InvalidFormat, ResponseFormat
+from labkit.structured.contract import MaskClock
 
 SCHEMA = {
     "type": "object",
@@ -69,6 +70,10 @@ def test_fifty_seeds_at_temperature_one_all_validate_or_say_length(model, smol_e
     outs = smol_engine.generate([prompt] * 50, params)
     check_outputs(outs, at_least_complete=35)
     assert smol_engine.mask_clock.tokens > 0 and smol_engine.mask_clock.seconds > 0
+    # every mask filled belongs to one timed step, so the per-step record adds up to the token count
+    clock = smol_engine.mask_clock
+    assert clock.steps and sum(rows for _, rows in clock.steps) == clock.tokens
+    assert all(seconds > 0 and 1 <= rows <= 50 for seconds, rows in clock.steps)
     assert no_blocks_held(smol_engine)
 
 
@@ -203,3 +208,25 @@ def test_gemma_eight_seeds_validate_or_say_length():
     outs = engine.generate([prompt] * 8, params)
     check_outputs(outs, at_least_complete=4)
     assert no_blocks_held(engine)
+
+
+def test_mask_clock_times_each_step_with_its_constrained_rows(model):
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=4096))
+    prompt = model.tokenizer.encode_chat(ASK)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, response_format=FORMAT if s < 2 else None)
+              for s in range(3)]
+    engine.generate([prompt] * 3, params)
+    clock = engine.mask_clock
+    # one entry per step with constrained rows, each row's mask counted once
+    assert sum(rows for _, rows in clock.steps) == clock.tokens > 0
+    assert {rows for _, rows in clock.steps} <= {1, 2} and len(clock.steps) <= 6
+    assert all(seconds > 0 for seconds, _ in clock.steps) and clock.steps_recorded == len(clock.steps)
+    assert no_blocks_held(engine)
+
+
+def test_mask_clock_keeps_a_bounded_tail_of_steps():
+    clock = MaskClock()
+    clock.MAX_STEPS = 3
+    for k in range(10):
+        clock.record_step(float(k), 1)
+    assert clock.steps_recorded == 10 and len(clock.steps) <= 6 and clock.steps[-1] == (9.0, 1)

@@ -144,7 +144,7 @@ def one_batch(engine: LLMEngine, prompt: list[int], config: StructuredConfig, co
     params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=config.max_tokens,
                              response_format=fmt if constrained and i % 2 == 0 else None)
               for i in range(config.concurrency)]
-    clock_before = (engine.mask_clock.seconds, engine.mask_clock.tokens)
+    clock_before = (engine.mask_clock.seconds, engine.mask_clock.tokens, engine.mask_clock.steps_recorded)
     started = time.perf_counter()
     outs = engine.generate([prompt] * config.concurrency, params)
     seconds = time.perf_counter() - started
@@ -152,6 +152,8 @@ def one_batch(engine: LLMEngine, prompt: list[int], config: StructuredConfig, co
     mask_s, mask_tokens = (engine.mask_clock.seconds - clock_before[0], engine.mask_clock.tokens - clock_before[1])
     return {"constrained": constrained, "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "mask_seconds": mask_s, "constrained_tokens": mask_tokens,
+            "mask_steps": engine.mask_clock.steps[len(engine.mask_clock.steps)
+                                                  - (engine.mask_clock.steps_recorded - clock_before[2]):],
             "finish": sorted({o.samples[0].finish_reason for o in outs})}
 
 
@@ -166,11 +168,18 @@ def throughput(model, config: StructuredConfig) -> dict:
         pair = {c: one_batch(engine, prompt, config, c, seed=1000 * repeat) for c in order}
         runs += [pair[False], pair[True]]
         ratios.append(pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"])
+    step_us = sorted(seconds * 1e6 for r in runs if r["constrained"] for seconds, _ in r["mask_steps"])
     mask_s = sum(r["mask_seconds"] for r in runs if r["constrained"])
     mask_tokens = sum(r["constrained_tokens"] for r in runs if r["constrained"])
     return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios),
             "ratio_spread": [min(ratios), max(ratios)], "target_ratio": 0.9,
             "mask_us_per_token": mask_s / mask_tokens * 1e6 if mask_tokens else None,
+            # each step's masks timed apart: the median step and the 90th percentile (the tail)
+            "mask_step_us_median": statistics.median(step_us) if step_us else None,
+            "mask_step_us_p90": step_us[int(0.9 * (len(step_us) - 1))] if step_us else None,
+            "mask_steps": len(step_us),
+            "constrained_rows_per_step": max((n for r in runs if r["constrained"] for _, n in r["mask_steps"]),
+                                             default=0),
             "weights": engine.weights, "blocks_used_after": engine.stats().blocks_used}
 
 
@@ -205,7 +214,9 @@ def summary_lines(record: dict) -> list[str]:
     lines.append(f"half constrained / unconstrained output tokens/s at {record['config']['concurrency']} requests: "
                  f"median {t['median_ratio']:.3f} (spread {t['ratio_spread'][0]:.3f}-{t['ratio_spread'][1]:.3f}, "
                  f"{len(t['ratios'])} repeats; target >= {t['target_ratio']}); mask time "
-                 f"{_fmt(t['mask_us_per_token'])} us per constrained token")
+                 f"{_fmt(t['mask_us_per_token'])} us per constrained token; per step with "
+                 f"{t['constrained_rows_per_step']} constrained rows: median {_fmt(t['mask_step_us_median'])} us, "
+                 f"p90 {_fmt(t['mask_step_us_p90'])} us ({t['mask_steps']} steps)")
     return lines
 
 

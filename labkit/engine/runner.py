@@ -86,13 +86,16 @@ def _draw(seqs: list[Sequence], logits: torch.Tensor, allowed: torch.Tensor | No
 def _allowed(seqs: list[Sequence], vocab_size: int, clock: MaskClock | None) -> torch.Tensor:
     """Bool [len(seqs), vocab_size]: each sequence's grammar mask (its matcher's time is
     clocked by the matcher; unpacking the masks is clocked here)."""
+    step_started = time.perf_counter()
     bitmask = torch.zeros(len(seqs), bitmask_words(vocab_size), dtype=torch.int32)
     for row, seq in enumerate(seqs):
         seq.matcher.fill_bitmask(bitmask[row])
     started = time.perf_counter()
     allowed = unpack_bitmask(bitmask, vocab_size)
     if clock is not None:
-        clock.seconds += time.perf_counter() - started
+        done = time.perf_counter()
+        clock.seconds += done - started
+        clock.record_step(done - step_started, len(seqs))
     return allowed
 
 

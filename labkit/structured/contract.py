@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -185,6 +185,20 @@ class MaskClock:
 
     seconds: float = 0.0
     tokens: int = 0
+    # One entry per decode step with constrained rows: (seconds for all that step's masks, filled
+    # and unpacked; constrained rows). A sum over a run hides the spread that a loaded machine's
+    # preemptions put into a few steps; per-step samples give a median and a tail.
+    # Kept to the last MAX_STEPS (a server runs for ever); `steps_recorded` counts them all, so a
+    # caller takes a run's steps as the last (recorded after - recorded before) entries.
+    steps: list[tuple[float, int]] = field(default_factory=list)
+    steps_recorded: int = 0
+    MAX_STEPS = 100_000
+
+    def record_step(self, seconds: float, rows: int) -> None:
+        self.steps.append((seconds, rows))
+        self.steps_recorded += 1
+        if len(self.steps) > 2 * self.MAX_STEPS:
+            del self.steps[:-self.MAX_STEPS]
 
     @property
     def seconds_per_token(self) -> float | None:

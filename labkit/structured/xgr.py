@@ -70,12 +70,14 @@ class XGrammarBackend:
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int | None = None, max_threads: int = 8):
         self.vocab_size = vocab_size or tokenizer.vocab_size
         pieces = [piece if piece is not None else b"" for piece in token_bytes(tokenizer)]
         info = xgrammar.TokenizerInfo(pieces, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
                                       stop_token_ids=[tokenizer.eos_token_id])
-        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        # max_threads: xgrammar compiles a grammar's per-state masks in parallel; a timing says how many
+        self.max_threads = max_threads
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, response_format: ResponseFormat) -> XGrammarGrammar:
         started = time.perf_counter()
