@@ -114,7 +114,13 @@ class Call:
                 stream.client_request_id = self.record.request_id
 
     def server_timing(self) -> str:
-        """The request's stages as a Server-Timing header (ms). Engine times come from its own
+        """The request's stages as a Server-Timing header (ms). A span the clocks make slightly
+        negative (a stamp's own cost) is written as 0; `timing_stages` keeps them raw."""
+        return ", ".join(f"{name};dur={max(0.0, end - begin) * 1e3:.3f}"
+                         for name, begin, end in self.timing_stages())
+
+    def timing_stages(self) -> list[tuple[str, float, float]]:
+        """The request's stages as (name, begin, end), unclamped. Engine times come from its own
         clock: time.perf_counter is one system-wide monotonic clock on Linux, so the worker's
         and the front end's readings compare."""
         out = self.streams[0].output
@@ -129,7 +135,7 @@ class Call:
             stages += [("decode", out.first_token_time, out.finish_time),
                        ("to-front-end", out.finish_time, m["collected"])]
         stages.append(("serialize", m["collected"], m["serialized"]))
-        return ", ".join(f"{name};dur={max(0.0, end - begin) * 1e3:.3f}" for name, begin, end in stages)
+        return stages
 
     def finish(self, outcome: str, error: BaseException | None = None) -> None:
         """Count the request once (labkit.serve.metrics): its outcome; per prompt, its prompt

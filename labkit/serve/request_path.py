@@ -245,10 +245,11 @@ class RequestPath:
         """Admit the work (or refuse it: APIError) and submit one engine request per prompt."""
         self.admit(work.prompts, work.params.max_tokens, work.deadline, work.tenant)
         salt = cache_scope(work.tenant, work.cache_salt)
-        streams = [self.submit(request_id, ids, work.params, work.n, salt, work.deadline, work.tenant)
-                   for request_id, ids in zip(work.request_ids, work.prompts)]
+        # Stamped before the send: the worker stamps its arrival on receipt, which can come
+        # before the send returns, so a later stamp would make "to-engine" negative.
         work.marks["submitted"] = time.perf_counter()
-        return streams
+        return [self.submit(request_id, ids, work.params, work.n, salt, work.deadline, work.tenant)
+                for request_id, ids in zip(work.request_ids, work.prompts)]
 
     def closed(self, stream: ResultStream) -> None:
         if self.open_streams.pop(stream.request_id, None) is not None:
