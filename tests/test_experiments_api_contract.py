@@ -31,7 +31,11 @@ def completion(texts, tokens, prompt_tokens=1, **choice):
 
 
 def answer(status, correct, shape=False) -> ac.Answer:
-    return ac.Answer("r", "g", status, None, "", shape, correct, "", 0.0)
+    return ac.Answer("r", "g", status, None, "", "openai" if shape else None, correct, "", 0.0)
+
+
+def anthropic_error(error_type, status=400):
+    return reply(status, {"type": "error", "error": {"type": error_type, "message": "m"}})
 
 
 # -- the classifier -----------------------------------------------------------------------------
@@ -70,6 +74,36 @@ def test_error_shape_is_openais_and_nothing_else():
     assert ac.error_shape(reply(400, {"error": {"message": "m", "type": "x", "code": "c"}})) is None  # no param
     extra = {"error": {"message": "m", "type": "x", "param": None, "code": "c"}, "detail": 1}
     assert ac.error_shape(reply(400, extra)) is None
+
+
+def test_documented_error_names_the_shape_and_its_code():
+    assert ac.documented_error(openai_error("invalid_json")) == ("openai", "invalid_json")
+    assert ac.documented_error(anthropic_error("overloaded_error", 529)) == ("anthropic", "overloaded_error")
+    assert ac.error_shape(anthropic_error("invalid_request_error")) is None        # not OpenAI's
+    assert ac.documented_error(reply(400, {"type": "error", "error": {"type": "x", "message": ""}})) == (None, None)
+    assert ac.documented_error(reply(400, {"type": "message", "error": {"type": "x", "message": "m"}})) == \
+        (None, None)
+    assert ac.documented_error(reply(404, {"detail": "Not Found"})) == (None, None)
+
+
+def test_the_messages_route_must_answer_in_anthropics_shape(catalogue):
+    not_json = catalogue["messages: not JSON"]
+    assert not_json.path == "/v1/messages"
+    assert not_json.judge(anthropic_error("invalid_request_error")) == (True, "")
+    assert not_json.judge(openai_error("invalid_request_error")) == (False, "not Anthropic's error shape")
+    assert not not_json.judge(anthropic_error("api_error"))[0]                      # right shape, wrong type
+    form = catalogue["messages: form content type"]
+    assert not form.judge(anthropic_error("invalid_request_error", 415))[0]         # Anthropic has no 415
+    assert not catalogue["not JSON"].judge(anthropic_error("invalid_json"))[0]     # OpenAI's routes: its shape
+
+
+def test_tokenize_must_give_the_tokenizers_ids(catalogue, model):
+    ids = model.tokenizer.encode("Hello")
+    check = catalogue["tokenize (no BOS)"]
+    assert check.path == "/tokenize"
+    assert check.judge(reply(200, {"count": len(ids), "max_model_len": 8192, "tokens": ids}))[0]
+    assert not check.judge(reply(200, {"count": len(ids) + 1, "max_model_len": 8192, "tokens": [1] + ids}))[0]
+    assert not check.judge(reply(200, {"count": 5, "max_model_len": 8192, "tokens": ids}))[0]
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +213,13 @@ def test_prefill_trend_fits_every_long_prompt_not_two_ends():
         ac.prefill_trend([30, 300, 300], [50.0, 600.0, 610.0])  # one length at or over 250
 
 
+def test_prefill_spread_keeps_the_median_and_both_ends():
+    assert ac.prefill_spread([30.0, 10.0, 20.0, 90.0]) == {"prefill (ms)": 25.0, "prefill min (ms)": 10.0,
+                                                          "prefill max (ms)": 90.0}
+    refused = ac.prefill_spread([])
+    assert len(refused) == 3 and all(v != v for v in refused.values())       # NaN: nothing ran
+
+
 def test_labkit_policy_names_requests_of_the_catalogue(catalogue):
     assert set(ac.LABKIT_POLICY) <= set(catalogue)
     assert all(catalogue[name].expect[0].status >= 400 for name in ac.LABKIT_POLICY)
@@ -283,7 +324,8 @@ def test_our_service_answers_every_request_of_the_catalogue_correctly(model, ful
         rows = ac.send_catalogue(url, full_catalogue, timeout_s=300)
     wrong = [(a.request, a.status, a.excerpt, a.fault) for a in rows if not a.correct]
     assert wrong == []
-    assert all(a.openai_shape for a in rows if a.status != 200)
+    assert all(a.documented_shape for a in rows if a.status != 200)
+    assert {a.request for a in rows if a.shape == "anthropic"} == {"messages: not JSON", "messages: form content type"}
     engine.check_invariants()
     with ac.serving(engine, model.tokenizer, MODEL) as url:   # the engine can be served again
         again = ac.send_catalogue(url, [r for r in full_catalogue if r.name == "a correct request"])

@@ -7,11 +7,12 @@ catalogue's own rule:
 
 * :func:`build_catalogue`: the awkward requests as data. Each :class:`AwkwardRequest` holds
   the exact bytes, method, path and content type it sends, and what a correct service must
-  answer (:class:`Expect`): an error status with its code in OpenAI's error shape, or a 200
-  whose body has a property that can be checked.
+  answer (:class:`Expect`): an error status with its code in the error shape of the route's
+  protocol (OpenAI's, or Anthropic's on `/v1/messages`), or a 200 whose body has a property
+  that can be checked.
 * :func:`send_catalogue`: send every request to a base URL with raw httpx, one row
-  (:class:`Answer`) per request: status, error code or a short excerpt, whether the body has
-  OpenAI's error shape, whether the answer is correct by the rule.
+  (:class:`Answer`) per request: status, error code or a short excerpt, which documented error
+  shape the body has (if any), whether the answer is correct by the rule.
 * :func:`classify`: what kind of answer a row is (200 and correct, 200 but wrong, an error in
   another shape, a 500, ...); :data:`CATEGORIES` lists them.
 * :class:`StoppableReference`: the foil's model with a switch, so that a harness can end a
@@ -74,29 +75,55 @@ def error_shape(reply: Reply) -> dict | None:
     return error
 
 
+def anthropic_error_shape(reply: Reply) -> dict | None:
+    """The `error` object if the body is Anthropic's error shape
+    (`{"type": "error", "error": {"type": str, "message": str}}`), else None."""
+    body = reply.json()
+    if not isinstance(body, dict) or body.get("type") != "error" or not isinstance(body.get("error"), dict):
+        return None
+    error = body["error"]
+    if not (isinstance(error.get("type"), str) and isinstance(error.get("message"), str)
+            and error["message"]):
+        return None
+    return error
+
+
+def documented_error(reply: Reply) -> tuple[str | None, str | None]:
+    """(the error shape's name, its code) if the body is a documented error shape: OpenAI's
+    (its `code`) or Anthropic's (its error `type`, which is all the code that shape has);
+    (None, None) otherwise."""
+    error = error_shape(reply)
+    if error is not None:
+        return "openai", error["code"]
+    error = anthropic_error_shape(reply)
+    return ("anthropic", error["type"]) if error is not None else (None, None)
+
+
 Check = Callable[[Reply], str | None]  # None: the property holds; a string: what is wrong
 
 
 @dataclass(frozen=True)
 class Expect:
-    """One acceptable answer: `status`, with `code` in OpenAI's error shape for an error, or
-    with `check` holding for a 200. `rule` says it in words."""
+    """One acceptable answer: `status`, with `code` in `shape` (OpenAI's error shape, or
+    "anthropic": Anthropic's, whose error `type` is its code) for an error, or with `check`
+    holding for a 200. `rule` says it in words."""
 
     status: int
     code: str | None = None
     rule: str = ""
     check: Check | None = None
+    shape: str = "openai"
 
     def judge(self, reply: Reply) -> str | None:
         """None if `reply` is this answer, else what differs."""
         if reply.status != self.status:
             return f"status {reply.status}, expected {self.status}"
         if self.status >= 400:
-            error = error_shape(reply)
-            if error is None:
-                return "not OpenAI's error shape"
-            if error["code"] != self.code:
-                return f"code {error['code']}, expected {self.code}"
+            shape, code = documented_error(reply)
+            if shape != self.shape:
+                return f"not {'Anthropic' if self.shape == 'anthropic' else 'OpenAI'}'s error shape"
+            if code != self.code:
+                return f"code {code}, expected {self.code}"
             return None
         return self.check(reply) if self.check is not None else None
 
@@ -123,6 +150,10 @@ class AwkwardRequest:
 
 def error(status: int, code: str) -> tuple[Expect, ...]:
     return (Expect(status, code, f"{status} {code}"),)
+
+
+def anthropic_error(status: int, error_type: str) -> tuple[Expect, ...]:
+    return (Expect(status, error_type, f"{status} {error_type} (Anthropic's shape)", shape="anthropic"),)
 
 
 # -- checks of a 200 -------------------------------------------------------------------------
@@ -170,6 +201,16 @@ def stream_check(reply: Reply) -> str | None:
     if not chunks or any("choices" not in c for c in chunks):
         return "no completion chunks"
     return None
+
+
+def tokens_check(expected: list[int]) -> Check:
+    """A /tokenize answer: exactly `expected` (the tokenizer's own ids), counted right."""
+    def check(reply: Reply) -> str | None:
+        body = reply.json()
+        if not isinstance(body, dict) or body.get("tokens") != expected:
+            return "not the tokenizer's ids"
+        return None if body.get("count") == len(expected) else f"count {body.get('count')}"
+    return check
 
 
 def models_check(model: str) -> Check:
@@ -300,6 +341,17 @@ def build_catalogue(model: str, tokenizer, *, context_tokens: int, vocab_size: i
          None, False, "GET", "/v1/models"),
         ("chat without messages", "routes", _raw({"model": model, "messages": []}), error(400, "invalid_value"),
          P, False, "POST", "/v1/chat/completions"),
+        ("responses without input", "routes", _raw({"model": model}),
+         error(400, "missing_required_parameter"), P, False, "POST", "/v1/responses"),
+        ("tokenize (no BOS)", "routes",
+         _raw({"model": model, "prompt": "Hello", "add_special_tokens": False}),
+         (Expect(200, rule="200 with the tokenizer's ids", check=tokens_check(tokenizer.encode("Hello"))),),
+         P, False, "POST", "/tokenize"),
+        # Anthropic's Messages route: its own error shape and statuses (415 is its 400)
+        ("messages: not JSON", "messages", b"hello", anthropic_error(400, "invalid_request_error"),
+         P, False, "POST", "/v1/messages"),
+        ("messages: form content type", "messages", b"model=x", anthropic_error(400, "invalid_request_error"),
+         "application/x-www-form-urlencoded", False, "POST", "/v1/messages"),
         # correct requests
         ("a correct request", "correct", _raw(good), (ok,)),
         ("temperature 0", "correct", _raw(good | {"prompt": COUNTING, "temperature": 0}),
@@ -338,7 +390,8 @@ LABKIT_POLICY = {
     "nested 10,000 deep": "valid JSON; RFC 8259 lets a parser limit the depth, and ours does",
     "oversized body (1 MiB)": "our own limit on a body (--max-body-bytes)",
     "top_p 0": "OpenAI's API accepts a top_p of 0; ours asks for 0 < top_p <= 1",
-    "unsupported option (suffix)": "OpenAI's completions take suffix; ours refuses it by name",
+    "unsupported option (suffix)": "OpenAI's completions take suffix; ours takes only its do-nothing value "
+                                   '"" and refuses any other by name',
 }
 
 
@@ -351,9 +404,9 @@ class Answer:
     request: str
     group: str
     status: int | None         # None: no answer within the timeout
-    code: str | None           # the error code, when the body is OpenAI's error shape
+    code: str | None           # the error code, when the body is a documented error shape
     excerpt: str               # the code, a 200's summary, or the start of another body
-    openai_shape: bool
+    shape: str | None          # "openai" or "anthropic": the documented error shape; None: another
     correct: bool
     fault: str                 # what differs from the rule ("" when correct)
     seconds: float
@@ -362,6 +415,10 @@ class Answer:
     @property
     def category(self) -> str:
         return classify(self)
+
+    @property
+    def documented_shape(self) -> bool:
+        return self.shape is not None
 
 
 def summarize_200(reply: Reply) -> str:
@@ -378,9 +435,9 @@ def summarize_200(reply: Reply) -> str:
 def excerpt_of(reply: Reply, width: int = 48) -> str:
     if reply.status is None:
         return reply.body.decode()
-    error = error_shape(reply)
-    if error is not None:
-        return str(error["code"])
+    shape, code = documented_error(reply)
+    if shape is not None:
+        return str(code)
     if reply.status == 200:
         return summarize_200(reply)
     text = reply.body.decode("utf-8", "replace").replace("\n", " ")
@@ -419,11 +476,12 @@ def send_catalogue(base_url: str, requests: Sequence[AwkwardRequest], *, timeout
         if reply.status is None:
             if on_timeout is not None:
                 on_timeout(request)
-            correct, fault, error = False, f"{reply.body.decode()[1:-1]} ({limit:g} s allowed)", None
+            correct, (shape, code) = False, (None, None)
+            fault = f"{reply.body.decode()[1:-1]} ({limit:g} s allowed)"
         else:
-            (correct, fault), error = request.judge(reply), error_shape(reply)
-        rows.append(Answer(request.name, request.group, reply.status, None if error is None else error["code"],
-                           excerpt_of(reply), error is not None, correct, fault, seconds, request.rule))
+            (correct, fault), (shape, code) = request.judge(reply), documented_error(reply)
+        rows.append(Answer(request.name, request.group, reply.status, code, excerpt_of(reply), shape, correct,
+                           fault, seconds, request.rule))
     return rows
 
 
@@ -443,7 +501,7 @@ def classify(answer: Answer) -> str:
         return "200, wrong"
     if answer.status >= 500:
         return "500"
-    return "4xx, other status or code" if answer.openai_shape else "4xx, another shape"
+    return "4xx, other status or code" if answer.documented_shape else "4xx, another shape"
 
 
 def category_counts(answers: Sequence[Answer]) -> dict[str, int]:
@@ -699,6 +757,16 @@ def probe_budget(base_url: str, model: str, text: str, *, repeats: int = 1, time
             tokens = r.json()["usage"]["prompt_tokens"]
             prefill.append(parse_server_timing(r.headers["server-timing"])["prefill"])
     return BudgetProbe(200, None, tokens, prefill)
+
+
+def prefill_spread(prefill_ms: Sequence[float]) -> dict[str, float]:
+    """A probe's prefill times as table columns: the median and the fastest and slowest
+    repeat (NaN for a refused probe, which has none), so that a table of medians keeps its
+    spread."""
+    if not prefill_ms:
+        return {"prefill (ms)": math.nan, "prefill min (ms)": math.nan, "prefill max (ms)": math.nan}
+    return {"prefill (ms)": statistics.median(prefill_ms), "prefill min (ms)": min(prefill_ms),
+            "prefill max (ms)": max(prefill_ms)}
 
 
 TREND_MIN_TOKENS = 250   # below this, a prefill's fixed cost spread over few tokens sets its cost per token
