@@ -158,6 +158,17 @@ def test_the_emoji_request_takes_a_token_count_or_a_refusal(catalogue, model):
     assert not emoji.judge(completion(["x"], 4, 4000))[0]                           # counted in characters
 
 
+def test_the_catalogue_streams_on_both_text_routes(catalogue):
+    def asks_to_stream(request) -> bool:
+        if b'"stream"' not in request.body or request.name == "nested 10,000 deep":
+            return False
+        body = ac.Reply(200, {}, request.body).json()
+        return isinstance(body, dict) and body.get("stream") is True
+    streamed = {r.path for r in catalogue.values() if asks_to_stream(r)}
+    assert streamed == {"/v1/completions", "/v1/chat/completions"}
+    assert all(e.check is ac.stream_check for r in catalogue.values() if asks_to_stream(r) for e in r.expect)
+
+
 def test_a_stream_needs_chunks_and_done():
     events = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
     assert ac.stream_check(reply(200, events, {"content-type": "text/event-stream"})) is None

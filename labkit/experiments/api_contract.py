@@ -373,6 +373,10 @@ def build_catalogue(model: str, tokenizer, *, context_tokens: int, vocab_size: i
                                                "messages": [{"role": "user", "content": "Hi"}]}),
          (Expect(200, rule="200 with an assistant message", check=chat_check),), P, False, "POST",
          "/v1/chat/completions"),
+        ("a streamed chat", "correct", _raw({"model": model, "max_tokens": 4, "stream": True,
+                                             "messages": [{"role": "user", "content": "Hi"}]}),
+         (Expect(200, rule="200: events, then [DONE]", check=stream_check),), P, False, "POST",
+         "/v1/chat/completions"),
     ]
     out = []
     for row in rows:
