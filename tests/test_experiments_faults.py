@@ -256,6 +256,25 @@ def test_a_naive_retry_duplicates_text_and_the_safe_rule_never_does(service, pro
 def test_a_random_mix_with_a_worker_kill_ends_every_request(service, probe, pool):
     record = _holds(fp.random_mix(service.url, pool[21:24], requests=12, seed=3), service.url, probe)
     assert record.ok, (record.checks, record.rows())
+    # the kill fell after a stream's first chunk; /health counted one restart
+    assert record.counters["worker_restarts"] == 1 and record.counters["streams_with_chunks_at_kill"] >= 1
+    row = fp.mix_summary(3, record)
+    assert row["answered"] + row["left"] + row["bad"] + row["failed"] == 12
+
+
+def test_mix_summary_counts_how_each_request_ended():
+    def out(kind, ended, code=None):
+        o = fc.Outcome(kind, kind)
+        o.ended, o.code = ended, code
+        return o
+    outcomes = [out("stream", "answer"), out("whole", "error", "engine_unavailable"), out("leave", "left"),
+                out("bad", "error", "invalid_json"), out("stream", "error", "engine_died"),
+                out("timeout", "left"), out("whole", "error", "engine_unavailable")]
+    mix = fx.Scenario("random_mix", "x", outcomes, {}, {"worker_restarts": 1, "replays": 2,
+                                                       "streams_with_chunks_at_kill": None})
+    assert fp.mix_summary(7, mix) == {
+        "seed": 7, "requests": 7, "answered": 1, "left": 2, "bad": 1, "failed": 3, "engine_unavailable": 2,
+        "engine_died": 1, "worker restarts": 1, "replays": 2, "streams with chunks at the kill": 0}
 
 
 @pytest.mark.slow

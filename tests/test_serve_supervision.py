@@ -218,6 +218,7 @@ def test_a_request_that_received_nothing_from_a_hung_worker_is_resubmitted(serve
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] >= 1
     assert answer.json()["choices"][0]["text"] == complete(server, max_tokens=4).json()["choices"][0]["text"]
+    assert health(server)[1]["replays"] == before["replays"] + 1   # /health counts the replay
     server.wait_until(server.idle, timeout=10)
 
 

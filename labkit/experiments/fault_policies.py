@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 
 import httpx
 
@@ -287,13 +288,18 @@ def cancel_during_restart(url: str, prompts, queued_prompt, queued_tokens: int, 
 # -- g. a random mix with a worker kill ----------------------------------------------------------
 
 MIX_KINDS = ("stream", "whole", "leave", "bad", "timeout", "sampled")
+STREAMING_KINDS = ("stream", "leave", "sampled")
 
 
 def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bool = True,
                client_timeout_s: float = 0.6, max_tokens: tuple[int, int] = (8, 48)) -> Scenario:
     """`requests` requests of random kinds (:data:`MIX_KINDS`), half sent at once, the worker
-    killed once three are open, then the other half: every request must end with an answer,
-    an error in the one shape, or its client's own departure."""
+    killed once three are open and a stream of them has had its first chunk, then the other
+    half: every request must end with an answer, an error in the one shape, or its client's
+    own departure. `counters` keep what `/health` counted across the scenario: the worker's
+    restarts and the requests it submitted again to the new worker (`replays`), so that a
+    reading of the run rests on what the service did. Each sampled request has a seed of its
+    own (`seed * 1000 + its index`): the draws are independent and the run repeatable."""
     rng = random.Random(seed)
     table = bad_requests()
     plan = []
@@ -303,7 +309,7 @@ def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bo
     outcomes = [Outcome(f"{kind}-{i}", kind) for i, (kind, *_) in enumerate(plan)]
     marks: dict = {}
 
-    async def one(client, spec, out: Outcome) -> None:
+    async def one(client, spec, out: Outcome, index: int) -> None:
         kind, prompt, tokens, bad, leave_after = spec
         if kind == "bad":
             _, path, content, headers, _, _ = bad
@@ -316,33 +322,62 @@ def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bo
             if out.code == "ReadTimeout":
                 out.ended = "left"
         else:
-            extra = {"temperature": 1.0} if kind == "sampled" else {}
+            extra = {"temperature": 1.0, "seed": seed * 1000 + index} if kind == "sampled" else {}
             await fc.stream(client, url, body(prompt, tokens, **extra), out,
                             leave_after=leave_after if kind == "leave" else None)
 
     async def go():
         async with async_client() as client, fc.Poller(url) as poller:
+            marks["before"] = (await poller.health())[1]
             half = requests // 2
-            first = [asyncio.create_task(one(client, s, o)) for s, o in zip(plan[:half], outcomes[:half])]
+            first = [asyncio.create_task(one(client, s, o, i))
+                     for i, (s, o) in enumerate(zip(plan[:half], outcomes[:half]))]
             if kill:
+                streams_first = any(s[0] in STREAMING_KINDS for s in plan[:half])
+
                 async def busy():
                     status, state = await poller.health()
-                    return status == 200 and state["open_requests"] >= 3
+                    streamed = any(o.chunks for o in outcomes[:half]) or not streams_first
+                    return status == 200 and state["open_requests"] >= 3 and streamed
                 await fc.await_until(busy, timeout=60)
+                marks["open"] = (await poller.health())[1]["open_requests"]
                 marks["pid"], marks["kill"] = fc.kill_worker(url)
-            rest = [asyncio.create_task(one(client, s, o)) for s, o in zip(plan[half:], outcomes[half:])]
+                marks["streamed"] = sum(o.chunks > 0 for o in outcomes[:half])
+            rest = [asyncio.create_task(one(client, s, o, half + i))
+                    for i, (s, o) in enumerate(zip(plan[half:], outcomes[half:]))]
             await asyncio.gather(*first, *rest)
 
     fc.run_async(go)
+    # a fresh connection: the server may have closed the poller's while the clients ran
+    fc.wait_until(lambda: fc.ready(url), timeout=120)
+    before, after = marks["before"], fc.health(url)[1]
+    restarts, replays = after["restarts"] - before["restarts"], after["replays"] - before["replays"]
     bad_ok = [(o.status, o.code) == (spec[3][4], spec[3][5]) for spec, o in zip(plan, outcomes) if spec[0] == "bad"]
     good_errors = {o.code for spec, o in zip(plan, outcomes) if spec[0] != "bad" and o.ended == "error"}
+    counters = {"kinds": {k: sum(s[0] == k for s in plan) for k in MIX_KINDS},
+                "error_codes": sorted(c for c in good_errors if c), "worker_restarts": restarts,
+                "replays": replays, "open_at_kill": marks.get("open"),
+                "streams_with_chunks_at_kill": marks.get("streamed")}
     return Scenario(
         "random_mix", f"{requests} requests of {len(MIX_KINDS)} kinds, seed {seed}"
                       + (f", worker {marks['pid']} killed among them" if kill else ""),
-        outcomes, {}, {"kinds": {k: sum(s[0] == k for s in plan) for k in MIX_KINDS},
-                       "error_codes": sorted(c for c in good_errors if c)},
+        outcomes, {}, counters,
         {"every request ended": all(o.ended in ("answer", "error", "left") for o in outcomes),
          "every error in the one shape": all(o.shape_ok for o in outcomes if o.ended == "error"),
          "bad requests got their documented status and code": all(bad_ok),
          "good requests failed only because the worker died":
-             good_errors <= {"engine_died", "engine_unavailable"}})
+             good_errors <= {"engine_died", "engine_unavailable"},
+         "the worker was restarted once per kill (/health)": restarts == int(kill),
+         "a new worker took over (/health)": (after["worker_pid"] != before["worker_pid"]) == kill})
+
+
+def mix_summary(seed: int, mix: Scenario) -> dict:
+    """One table row for a :func:`random_mix` run: how its requests ended, why its well-formed
+    ones failed, and what `/health` counted (restarts, replays) around the kill."""
+    ended = Counter(o.ended for o in mix.outcomes)
+    failed = Counter(o.code for o in mix.outcomes if o.kind != "bad" and o.ended == "error")
+    return {"seed": seed, "requests": len(mix.outcomes), "answered": ended["answer"], "left": ended["left"],
+            "bad": sum(o.kind == "bad" for o in mix.outcomes), "failed": sum(failed.values()),
+            "engine_unavailable": failed["engine_unavailable"], "engine_died": failed["engine_died"],
+            "worker restarts": mix.counters["worker_restarts"], "replays": mix.counters["replays"],
+            "streams with chunks at the kill": mix.counters["streams_with_chunks_at_kill"] or 0}

@@ -216,6 +216,7 @@ class WorkerEngine:
         self.context_note: str | None = None
         self.restarts = 0             # workers started after the first
         self.hangs = 0                # workers killed because they had work and did not advance
+        self.replays = 0              # requests submitted again to a new worker (they had no token yet)
         self.failed_starts = 0        # failed generations in a row (supervision)
         self.last_failure: str | None = None
         self.state = "starting"       # supervision.STATES
@@ -244,7 +245,8 @@ class WorkerEngine:
 
     def health(self) -> dict:
         return {"engine": "worker", "state": self.state, "ready": self._ready, "worker_pid": self.worker_pid,
-                "restarts": self.restarts, "hangs": self.hangs, "failed_starts": self.failed_starts,
+                "restarts": self.restarts, "hangs": self.hangs, "replays": self.replays,
+                "failed_starts": self.failed_starts,
                 "last_failure": self.last_failure, "open_requests": len(self._streams)}
 
     async def start(self) -> None:
@@ -363,6 +365,7 @@ class WorkerEngine:
                                          code="cancelled", client_error=True))
                 continue
             stream.attempts += 1
+            self.replays += 1
             self._streams[stream.request_id] = stream
             self._send(stream.request.command())
 
