@@ -101,12 +101,13 @@ def test_pairs_draws_and_the_guarantee_count_by_schema_and_draw():
     attempts = [attempt("a", True, 5, True, 2), attempt("b", False, 2, False, 3),
                 attempt("a", False, 1, False, 4), attempt("b", True, 6, False, 9, "length"),
                 cd.Attempt("a", False, 1.0, 3, "", (1,), "stop", True, True, draw=1),
-                cd.Attempt("a", True, 1.0, 7, "", (1,), "stop", False, False, draw=1)]
+                cd.Attempt("a", True, 1.0, 7, "", (1,), "stop", False, False, draw=1),
+                attempt("c", True, 8, True, 9, "length")]  # valid at the budget: valid, not cut
     free, masked = cd.paired_outcomes(attempts)
     # free in their own order: b/0 (False, masked False), a/0 (False, masked True), a/1 (True, False)
     assert (free, masked) == ([False, False, True], [False, True, False])
-    assert cd.draw_counts(attempts, True) == [1, 0] and cd.draw_counts(attempts, False) == [0, 1]
-    assert cd.guarantee_counts(attempts) == {"replies": 3, "seeds": 3, "valid": 1, "cut at max_tokens": 1,
+    assert cd.draw_counts(attempts, True) == [2, 0] and cd.draw_counts(attempts, False) == [0, 1]
+    assert cd.guarantee_counts(attempts) == {"replies": 4, "seeds": 4, "valid": 2, "cut at max_tokens": 1,
                                              "stopped, not valid": 1}
 
 

@@ -5,8 +5,9 @@ same number of tokens (plain rows ignore EOS)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
-from labkit.bench.structured import StructuredConfig, throughput
+from labkit.bench.structured import StructuredConfig, one_batch, throughput
 from labkit.engine import EngineConfig, LLMEngine
 from labkit.sampling import SamplingParams
 from labkit.structured import ResponseFormat
@@ -46,3 +47,24 @@ def test_bench_batches_decode_the_same_tokens_and_report_the_split(model):
     assert all(r["finish"] == ["length"] for r in record["runs"])
     fill, unpack = record["mask_fill_us_median"], record["mask_unpack_us_median"]
     assert fill > 0 and unpack > 0 and record["mask_fill_us_per_row_median"] <= fill
+
+
+class RecordingEngine:
+    """Takes a batch's params and answers every request with max_tokens tokens."""
+
+    def __init__(self):
+        self.mask_clock, self.params = MaskClock(), []
+
+    def generate(self, prompts, params):
+        self.params = list(params)
+        sample = SimpleNamespace(finish_reason="length")
+        return [SimpleNamespace(token_ids=[0] * p.max_tokens, samples=[sample]) for p in params]
+
+
+def test_bench_plain_rows_ignore_eos_and_constrained_rows_do_not():
+    engine = RecordingEngine()
+    one_batch(engine, [1, 2], StructuredConfig(concurrency=4, max_tokens=5), True, seed=0)
+    assert [(p.response_format is not None, p.ignore_eos) for p in engine.params] == [
+        (True, False), (False, True), (True, False), (False, True)]
+    one_batch(engine, [1, 2], StructuredConfig(concurrency=2, max_tokens=5), False, seed=0)
+    assert all(p.ignore_eos and p.response_format is None for p in engine.params)
