@@ -15,13 +15,14 @@ MODEL = "smollm2-135m"
 
 
 def test_fit_quadratic_recovers_a_bending_curve_and_refuses_two_lengths():
-    xs = [0.0, 16.0, 64.0, 256.0, 1024.0]
+    xs = [0.0, 16.0, 64.0, 256.0, 512.0, 1024.0]
     truth = (0.05, 1.2e-3, 6e-7)
     ys = [truth[0] + truth[1] * x + truth[2] * x * x for x in xs]
     assert cw.fit_quadratic(xs, ys) == pytest.approx(truth, rel=1e-6)
-    # 1% noise at the long end moves the fixed cost little: the fit weighs relative error
-    noisy = [y * (1.01 if x > 500 else 1.0) for x, y in zip(xs, ys)]
-    assert cw.fit_quadratic(xs, noisy)[0] == pytest.approx(truth[0], rel=0.05)
+    # 2% noise on the long prompts barely moves the fixed cost, because the fit weighs relative
+    # error (ordinary least squares would put it at 0.0535, 7% off)
+    noisy = [y * f for y, f in zip(ys, [1, 1, 1, 1.02, 0.98, 1.02])]
+    assert cw.fit_quadratic(xs, noisy)[0] == pytest.approx(truth[0], rel=0.01)
     with pytest.raises(ValueError):
         cw.fit_quadratic([2.0, 2.0, 5.0], [1.0, 3.0, 4.0])
 
