@@ -1,7 +1,8 @@
 """Structured outputs in the serving engine: a schema-constrained request's output validates
-(`jsonschema`) for every one of 50 seeds at temperature 1 on SmolLM2 and on Gemma 3, unless it stopped at max_tokens and says so; constrained and plain requests share
-a step without changing the plain ones' tokens; a bad schema is refused before any work; no
-sampling option gets past the mask; no KV block is left behind."""
+(`jsonschema`) for every one of 50 seeds at temperature 1 on SmolLM2 and on Gemma 3, unless it
+stopped at max_tokens and says so; constrained and plain requests share a step without changing
+the plain ones' tokens; a bad schema is refused before any work; no sampling option gets past
+the mask; no KV block is left behind."""
 
 import json
 
