@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model and its reference are loaded once per session; and the
+"""Shared fixtures: the default model and its reference are loaded once per session; a live
+`labkit serve` per module and the official clients on it (tests/serve_fixtures.py); and the
 near-tie rule as the tests apply it to two numerical paths (`assert_greedy_near`), and its
 counterpart for seeded sampled rows (`assert_solo_sampled`, the near-boundary rule)."""
 
@@ -10,6 +11,7 @@ import torch
 
 from labkit.kernels import native
 from labkit.util.near_tie import AgreementSummary, compare_greedy, flip_tolerance
+from serve_fixtures import anthropic_client, openai_client, server  # noqa: F401 - fixtures, found by name
 
 # tests of labkit's C kernels, or of what runs on them, skip where they do not load
 needs_kernels = pytest.mark.skipif(native.load() is None, reason="the C kernels do not build here")

@@ -14,11 +14,17 @@ from tests.live_server import LiveServer
 MODEL = "smollm2-135m"
 
 
-def test_fit_line_recovers_a_line_and_refuses_a_point():
-    xs = [1.0, 2.0, 4.0, 8.0]
-    assert cw.fit_line(xs, [3 + 0.5 * x for x in xs]) == pytest.approx((3.0, 0.5))
+def test_fit_quadratic_recovers_a_bending_curve_and_refuses_two_lengths():
+    xs = [0.0, 16.0, 64.0, 256.0, 512.0, 1024.0]
+    truth = (0.05, 1.2e-3, 6e-7)
+    ys = [truth[0] + truth[1] * x + truth[2] * x * x for x in xs]
+    assert cw.fit_quadratic(xs, ys) == pytest.approx(truth, rel=1e-6)
+    # 2% noise on the long prompts barely moves the fixed cost, because the fit weighs relative
+    # error (ordinary least squares would put it at 0.0535, 7% off)
+    noisy = [y * f for y, f in zip(ys, [1, 1, 1, 1.02, 0.98, 1.02])]
+    assert cw.fit_quadratic(xs, noisy)[0] == pytest.approx(truth[0], rel=0.01)
     with pytest.raises(ValueError):
-        cw.fit_line([2.0, 2.0], [1.0, 3.0])
+        cw.fit_quadratic([2.0, 2.0, 5.0], [1.0, 3.0, 4.0])
 
 
 @pytest.mark.slow
@@ -66,3 +72,25 @@ def test_under_eviction_the_contract_is_an_upper_bound_and_some_turns_fall_short
     reported = [t.cached_tokens for t in played]
     assert all(r <= p for r, p in zip(reported, predicted)), (reported, predicted)
     assert any(r < p for r, p in zip(reported, predicted)), (reported, predicted)
+
+
+@pytest.mark.slow
+def test_the_messages_route_reports_cache_fields_that_add_up_and_read_what_our_contract_predicts(model):
+    """The workload over /v1/messages with the official `anthropic` client, `cache_control` on
+    the system block and on the last user block: the server's three usage fields add up to the
+    prompt as our tokenizer renders it, the read is what the contract written from the engine's
+    code predicts, and what was written is the rest of the prompt up to the last breakpoint (the
+    conversation without the assistant turn's opening)."""
+    tok = model.tokenizer
+    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192") as server:
+        system = cw.system_prompt(tok, 200)
+        played = cw.play_messages(server.url, MODEL, system, conversations=2, turns=2, max_tokens=8)
+    requests = cw.as_cache_requests(played, tok)
+    assert [t.prompt_tokens for t in played] == [len(r.prompt) for r in requests]
+    predicted = [b.read for b in pc.predict(pc.labkit_contract(16), requests)]
+    assert [t.cache_read_input_tokens for t in played] == predicted
+    assert predicted[0] == 0 and predicted[1] >= 192 and predicted[2] > predicted[1]
+    for turn in played:
+        marked = len(tok.encode_chat([{"role": r, "content": c} for r, c in turn.messages],
+                                     add_generation_prompt=False))
+        assert turn.cache_creation_input_tokens == marked - turn.cache_read_input_tokens

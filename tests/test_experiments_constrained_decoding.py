@@ -80,6 +80,37 @@ def test_validity_rows_count_and_give_wilson_intervals():
     assert cd.by_schema(attempts)[0] == {"schema": "a", "no mask: valid": "0/1", "schema mask: valid": "1/1"}
 
 
+def test_validity_run_gives_every_request_its_own_seed():
+    """A step's draw depends only on (seed, step): requests sharing a seed share a stream."""
+    schemas = {"a": PERSON, "b": PERSON, "c": PERSON}
+    good = '{"name": "A", "age": 3, "vegan": true}'
+    engine = ScriptedEngine({(c, s): (good, 4) for c in (False, True) for s in range(100, 112)})
+    attempts = cd.validity_run(engine, PlainTokenizer(), schemas, 2, temperature=1.0, max_tokens=8,
+                               first_seed=100)
+    seeds = [p.seed for p in engine.params]
+    assert sorted(seeds) == list(range(100, 112)) and [a.seed for a in attempts] == seeds
+    assert [(a.schema, a.constrained, a.draw) for a in attempts[:3]] == [("a", False, 0), ("a", False, 1),
+                                                                        ("b", False, 0)]
+    assert sum(a.constrained for a in attempts) == 6 and all(a.strict_valid for a in attempts)
+    only_masked = cd.validity_run(engine, PlainTokenizer(), schemas, 1, temperature=1.0, max_tokens=8,
+                                  first_seed=100, arms=(True,))
+    assert [a.constrained for a in only_masked] == [True] * 3 and len({a.seed for a in only_masked}) == 3
+
+
+def test_pairs_draws_and_the_guarantee_count_by_schema_and_draw():
+    attempts = [attempt("a", True, 5, True, 2), attempt("b", False, 2, False, 3),
+                attempt("a", False, 1, False, 4), attempt("b", True, 6, False, 9, "length"),
+                cd.Attempt("a", False, 1.0, 3, "", (1,), "stop", True, True, draw=1),
+                cd.Attempt("a", True, 1.0, 7, "", (1,), "stop", False, False, draw=1),
+                attempt("c", True, 8, True, 9, "length")]  # valid at the budget: valid, not cut
+    free, masked = cd.paired_outcomes(attempts)
+    # free in their own order: b/0 (False, masked False), a/0 (False, masked True), a/1 (True, False)
+    assert (free, masked) == ([False, False, True], [False, True, False])
+    assert cd.draw_counts(attempts, True) == [2, 0] and cd.draw_counts(attempts, False) == [0, 1]
+    assert cd.guarantee_counts(attempts) == {"replies": 4, "seeds": 4, "valid": 2, "cut at max_tokens": 1,
+                                             "stopped, not valid": 1}
+
+
 # --------------------------------------------------------------------------- repair accounting
 
 
@@ -91,10 +122,12 @@ class ScriptedEngine:
 
     def generate(self, prompts, params):
         self.calls.append(len(prompts))
+        self.params = list(params)
         outs = []
         for p in params:
-            text, tokens = self.script[(p.response_format is not None, p.seed)]
-            sample = SimpleNamespace(text=text, token_ids=list(range(tokens)), finish_reason="stop")
+            text, tokens, *finish = self.script[(p.response_format is not None, p.seed)]
+            sample = SimpleNamespace(text=text, token_ids=list(range(tokens)),
+                                     finish_reason=finish[0] if finish else "stop")
             outs.append(SimpleNamespace(samples=[sample], text=text))
         return outs
 
@@ -113,13 +146,17 @@ def test_repair_counts_every_token_a_sequential_client_pays():
              for s, t, n in ((0, good, 10), (1, bad, 20), (2, bad, 30))]
     masked = [cd.judge("person", PERSON, True, SimpleNamespace(temperature=1.0, seed=s), good, range(8),
                        "stop") for s in range(3)]
-    # seed 1: the first retry (seed 1001) is valid; seed 2: both retries fail, the masked retry is valid
-    script = {(False, 1001): (good, 7), (False, 2001): (bad, 9), (False, 1002): (bad, 5),
-              (False, 2002): (bad, 6), (True, 1001): (good, 11), (True, 1002): (good, 12)}
+    # Seeds 0-2 are taken, so new generations step by a stride of 3: retry k of seed s is s + 3k,
+    # the masked retry s + 3 * 3. Seed 1: the first retry (seed 4) is valid; seed 2: both retries
+    # (5, 8) fail, the masked retry (11) is valid.
+    script = {(False, 4): (good, 7), (False, 7): (bad, 9), (False, 5): (bad, 5),
+              (False, 8): (bad, 6), (True, 10): (good, 11), (True, 11): (good, 12)}
     engine = ScriptedEngine(script)
     rows = {r["strategy"]: r for r in cd.repair_rows(
         cd.repair_run(engine, PlainTokenizer(), schemas, plain, masked, retries=2, max_tokens=50))}
     assert engine.calls == [2 * 2 + 2]  # one batch: two retries and one masked retry per failed request
+    new_seeds = [p.seed for p in engine.params]
+    assert len(set(new_seeds)) == len(new_seeds) and not set(new_seeds) & {0, 1, 2}
     assert rows["validate only"]["valid in the end"] == 1
     assert rows["validate only"]["output tokens per request"] == pytest.approx((10 + 20 + 30) / 3)
     retry = rows["retry up to 2x"]
@@ -157,8 +194,8 @@ def test_repair_is_counted_at_no_extra_tokens():
     plain = [cd.judge("person", PERSON, False, SimpleNamespace(temperature=1.0, seed=s), t, range(10),
                       "length")
              for s, t in ((0, cut), (1, "not json"))]
-    engine = ScriptedEngine({(False, 1000): ("x", 1), (False, 1001): ("x", 1),
-                             (True, 1000): ("x", 1), (True, 1001): ("x", 1)})
+    engine = ScriptedEngine({(False, 2): ("x", 1), (False, 3): ("x", 1),
+                             (True, 4): ("x", 1), (True, 5): ("x", 1)})
     rows = {r["strategy"]: r for r in cd.repair_rows(
         cd.repair_run(engine, PlainTokenizer(), schemas, plain, [], retries=1, max_tokens=50))}
     fixed = rows["repair the text"]
@@ -221,6 +258,17 @@ def test_free_semantic_replies_are_repaired_then_judged():
     assert not raw.valid and not raw.repaired
     row = cd.semantic_rows([free])[0]
     assert row["valid only after repair"] == 1 and row["mask"] == "none, then repaired"
+
+
+def test_semantic_rows_count_replies_cut_at_the_budget():
+    task = cd.semantic_tasks(1, seed=0)[1]  # a bill
+    engine = ScriptedEngine({(True, 0): ('{"items": [{"name": "pen", "price": 3}', 9, "length"),
+                             (True, 1): ('{"items": [], "total": 0}', 9, "stop"),
+                             (True, 2): ('{"items": [', 9, "stop")})
+    judged = cd.semantic_run(engine, PlainTokenizer(), [task], [0, 1, 2], temperature=1.0, max_tokens=9)
+    assert [(j.valid, j.finish) for j in judged] == [(False, "length"), (True, "stop"), (False, "stop")]
+    row = cd.semantic_rows(judged)[0]
+    assert (row["schema-valid"], row["not valid, cut at max_tokens"]) == (1, 1)
 
 
 def test_prompts_go_through_the_chat_template_only_where_asked(model):
@@ -288,6 +336,9 @@ def test_pick_goes_by_coverage_then_compile_then_mask():
     assert gc.pick_engine({"compile": slower, "mask": faster}, none)[0] == "xgrammar"
     assert gc.pick_engine({"compile": tie, "mask": slower}, none)[0] == "xgrammar"
     assert "noise" in gc.pick_engine({"compile": tie, "mask": tie}, none)[1]
+    # with a first-mask verdict the pick goes by it, not by compile time alone
+    assert gc.pick_engine({"compile": faster, "first mask": slower, "mask": faster}, none)[0] == "xgrammar"
+    assert "first mask" in gc.pick_engine({"compile": slower, "first mask": faster, "mask": tie}, none)[1]
 
 
 def test_grammar_engines_time_both_on_the_same_replies(model):
@@ -303,8 +354,12 @@ def test_grammar_engines_time_both_on_the_same_replies(model):
     assert person["llguidance compile (ms)"] > 0 and person["xgrammar mask (us/step, median)"] > 0
     assert refused["llguidance compile (ms)"] is None and refused["llguidance refuses"]
     assert runs.text_tokens == person["reply tokens"] == len(reply) and runs.xgrammar_threads == 1
+    for engine in ("llguidance", "xgrammar"):  # compile plus a first fill: more than the compile
+        assert runs.first_mask_ms[engine]["person"] > runs.compile_ms[engine]["person"] > 0
+        assert person[f"{engine} to first mask (ms)"] == runs.first_mask_ms[engine]["person"]
     verdicts = gc.engine_verdicts(runs)  # one schema: an interval that says nothing
     assert verdicts["compile"].verdict == "within the noise" and verdicts["mask"].name_b == "xgrammar"
+    assert verdicts["first mask"].samples_a == 1
 
 
 def test_step_mask_times_one_per_step_and_the_end(model, library):
@@ -341,3 +396,15 @@ def test_the_engines_disagree_on_properties_without_a_type(model, library):
     assert gc.refuses_at(library.compile(fmt), tokens) is None
     assert gc.refuses_at(XGrammarBackend(model.tokenizer, model.config.vocab_size).compile(fmt), tokens) == 0
     assert gc.refuses_at(library.compile(fmt), model.tokenizer.encode('{"a": 1}')) is not None
+
+
+def test_long_schema_replies_are_sampled_apart_and_stay_in_the_schema(model, library):
+    from labkit.bench.structured import LONG_SCHEMA
+    from labkit.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(model, EngineConfig(kv_cache_tokens=2048))
+    replies = gc.long_schema_replies(engine, model.tokenizer, 3, 10, first_seed=7)
+    assert len(replies) == 3 and all(len(r) == 10 for r in replies)  # 64 items cannot close in 10
+    assert len({tuple(r) for r in replies}) == 3  # own seeds: three different streams
+    grammar = library.compile(ResponseFormat.json_schema(LONG_SCHEMA))
+    assert all(gc.refuses_at(grammar, r) is None for r in replies)

@@ -84,6 +84,21 @@ def test_two_breakpoints_let_other_conversations_read_the_system_prompt():
         [0, 1200, 1230]
 
 
+def test_an_anthropic_entry_is_readable_only_once_its_writers_response_has_begun():
+    """The page: an entry becomes available once the first response begins. A writes the system
+    prompt at t=0 and its response begins 2 s later: B (t=1) must write it again, C (t=3) reads
+    it. OpenAI documents no such rule: there B reads what A wrote."""
+    system = tuple(range(1200))
+    a = pc.CacheRequest(system + (1,) * 30, arrival_s=0.0, breakpoints=(1200, 1230), response_start_s=2.0)
+    b = pc.CacheRequest(system + (2,) * 40, arrival_s=1.0, breakpoints=(1200, 1240), response_start_s=0.5)
+    c = pc.CacheRequest(system + (3,) * 50, arrival_s=3.0, breakpoints=(1200, 1250), response_start_s=0.5)
+    billed = pc.predict(ANTHROPIC, [a, b, c])
+    assert billed[1] == pc.Billed(read=0, written=1240, ordinary=0)
+    assert billed[2] == pc.Billed(read=1200, written=50, ordinary=0)
+    gpt5 = pc.PROVIDER_CONTRACTS["openai, GPT-5"]
+    assert pc.predict(gpt5, [a, b])[1].read == pc.cacheable(gpt5, 1200) == 1152
+
+
 def test_breakpoints_past_the_maximum_or_outside_the_prompt_are_refused_and_none_caches_nothing():
     prompt = tuple(range(3000))
     with pytest.raises(ValueError, match="allows 4 breakpoints"):
@@ -97,10 +112,15 @@ def test_breakpoints_past_the_maximum_or_outside_the_prompt_are_refused_and_none
 def test_every_provider_figure_comes_from_the_documented_table():
     for contract in [*pc.PROVIDER_CONTRACTS.values(), pc.OPENAI_BEST_CASE]:
         for field in ("automatic", "minimum_tokens", "increment_tokens", "write_multiplier", "read_multiplier",
-                      "caches_reply"):
+                      "caches_reply", "readable_after_response_start"):
             assert getattr(contract, field) == pc.documented(contract.name, field), (contract.name, field)
         assert contract.source in {row.page for row in pc.DOCUMENTED}
-    assert OPENAI.ttl_seconds == 300.0 and pc.OPENAI_BEST_CASE.ttl_seconds == 3600.0
+    assert OPENAI.ttl_seconds == 300.0 and pc.OPENAI_BEST_CASE.ttl_seconds == 24 * 3600.0
+    # a model generation's own row wins over its provider's, also for a contract named after it
+    gpt5 = pc.PROVIDER_CONTRACTS["openai, GPT-5"]
+    reads = (OPENAI.read_multiplier, gpt5.read_multiplier, pc.OPENAI_BEST_CASE.read_multiplier)
+    assert reads == (0.5, 0.1, 0.1)
+    assert ANTHROPIC.readable_after_response_start and not gpt5.readable_after_response_start
     assert ANTHROPIC.max_breakpoints == 4 and OPENAI.max_breakpoints is None
     assert all(row.page.startswith("https://") and row.consulted == pc.CONSULTED for row in pc.DOCUMENTED)
 

@@ -17,9 +17,9 @@ import pytest
 
 from labkit.serve.openai_fields import CHAT_NO_OPS, COMPLETION_NO_OPS
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest
-from live_server import LiveServer
 
 MODEL = "smollm2-135m"
+SERVER_ARGS = ("--model", MODEL, "--kv-cache-tokens", "4096")   # the `server` fixture's (serve_fixtures)
 DOCUMENT = json.loads((Path(__file__).parent / "openai_openapi" / "completions.json").read_text())
 pytestmark = pytest.mark.slow
 
@@ -105,12 +105,6 @@ def test_every_openai_field_is_one_labkit_knows(path):
     fields = properties(DOCUMENT["components"]["schemas"][name])
     unknown = sorted(set(fields) - set(model.model_fields) - set(no_ops))
     assert not unknown, f"OpenAI's {name} has fields labkit does not list: {unknown}"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "4096") as live:
-        yield live
 
 
 def answer_text(server, path: str, body: dict) -> str:

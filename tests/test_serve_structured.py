@@ -8,10 +8,7 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
-
-from live_server import LiveServer
 
 MODEL = "smollm2-135m"
 SCHEMA = {
@@ -26,17 +23,6 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEM
 ASK = [{"role": "user", "content": "Name a city in France as JSON with city, population and capital."}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=180)
-
-
 def check(text, finish_reason):
     if finish_reason == "length":
         return False
@@ -45,20 +31,20 @@ def check(text, finish_reason):
     return True
 
 
-def test_json_schema_answers_parse_and_validate(client, server):
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT, max_tokens=60,
-                                           temperature=1.0, seed=3, n=4)
+def test_json_schema_answers_parse_and_validate(openai_client, server):
+    reply = openai_client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT,
+                                                  max_tokens=60, temperature=1.0, seed=3, n=4)
     complete = sum(check(c.message.content, c.finish_reason) for c in reply.choices)
     assert complete >= 2
-    greedy = client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT, max_tokens=60,
-                                            temperature=0)
+    greedy = openai_client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT,
+                                                   max_tokens=60, temperature=0)
     assert check(greedy.choices[0].message.content, greedy.choices[0].finish_reason)
     server.wait_until(server.idle)
 
 
-def test_a_streamed_answer_is_the_same_json(client):
-    chunks = client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT, max_tokens=60,
-                                            temperature=0, stream=True)
+def test_a_streamed_answer_is_the_same_json(openai_client):
+    chunks = openai_client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT,
+                                                   max_tokens=60, temperature=0, stream=True)
     text, finish = "", None
     for chunk in chunks:
         for choice in chunk.choices:
@@ -67,13 +53,13 @@ def test_a_streamed_answer_is_the_same_json(client):
     assert check(text, finish)
 
 
-def test_max_tokens_first_says_length(client):
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT, max_tokens=3,
-                                           temperature=0)
+def test_max_tokens_first_says_length(openai_client):
+    reply = openai_client.chat.completions.create(model=MODEL, messages=ASK, response_format=FORMAT,
+                                                  max_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length"
 
 
-def test_the_parse_helper_of_the_official_client(client):
+def test_the_parse_helper_of_the_official_client(openai_client):
     """openai's own structured-output path: `chat.completions.parse` with a pydantic model."""
     from pydantic import BaseModel, Field
 
@@ -82,20 +68,22 @@ def test_the_parse_helper_of_the_official_client(client):
         population: int
         capital: bool
 
-    reply = client.chat.completions.parse(model=MODEL, messages=ASK, response_format=City, max_tokens=60,
-                                          temperature=0)
+    reply = openai_client.chat.completions.parse(model=MODEL, messages=ASK, response_format=City,
+                                                 max_tokens=60, temperature=0)
     choice = reply.choices[0]
     if choice.finish_reason == "stop":
         assert isinstance(choice.message.parsed, City)
 
 
-def test_json_object_and_completions(client):
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A JSON object."}],
-                                           response_format={"type": "json_object"}, max_tokens=40, temperature=0)
+def test_json_object_and_completions(openai_client):
+    reply = openai_client.chat.completions.create(model=MODEL,
+                                                  messages=[{"role": "user", "content": "A JSON object."}],
+                                                  response_format={"type": "json_object"}, max_tokens=40,
+                                                  temperature=0)
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    text = client.completions.create(model=MODEL, prompt="A French city as JSON:", max_tokens=60, temperature=0,
-                                     extra_body={"response_format": FORMAT})
+    text = openai_client.completions.create(model=MODEL, prompt="A French city as JSON:", max_tokens=60,
+                                            temperature=0, extra_body={"response_format": FORMAT})
     assert check(text.choices[0].text, text.choices[0].finish_reason)
 
 

@@ -23,8 +23,6 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from live_server import LiveServer
-
 MODEL = "smollm2-135m"
 DOCUMENT = json.loads((Path(__file__).parent / "openai_openapi" / "responses.json").read_text())
 pytestmark = pytest.mark.slow
@@ -48,22 +46,6 @@ class City(BaseModel):
     city: str
     population: int
     capital: bool
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def openai_client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def anthropic_client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=180)
 
 
 def schema_check(name: str, value: dict) -> None:

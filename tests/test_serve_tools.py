@@ -11,10 +11,7 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
-
-from live_server import LiveServer
 
 MODEL = "smollm2-135m"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
@@ -27,17 +24,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def valid_calls(calls, names=tuple(SCHEMAS)):
@@ -54,14 +40,14 @@ def valid_calls(calls, names=tuple(SCHEMAS)):
     ("required", ("get_weather", "add")),
     ({"type": "function", "function": {"name": "add"}}, ("add",)),
 ])
-def test_forced_calls_whole_and_streamed_agree(client, server, tool_choice, names):
+def test_forced_calls_whole_and_streamed_agree(openai_client, server, tool_choice, names):
     ask = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
                temperature=0, max_tokens=60)
-    whole = client.chat.completions.create(**ask).choices[0]
+    whole = openai_client.chat.completions.create(**ask).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     calls = valid_calls(whole.message.tool_calls, names)
     assert len(calls) == 1
-    with client.chat.completions.stream(**ask) as stream:  # the client's own accumulation of deltas
+    with openai_client.chat.completions.stream(**ask) as stream:  # the client's own accumulation of deltas
         for _ in stream:
             pass
         streamed = stream.get_final_completion().choices[0]
@@ -100,12 +86,14 @@ def test_raw_stream_deltas_carry_calls_by_index_and_no_block_text(server):
     assert "<tool_call>" not in content or "invalid_tool_calls" in whole["message"]
 
 
-def test_parallel_off_gives_one_call_and_on_may_give_more(client):
-    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                         parallel_tool_calls=False, temperature=1, seed=5, max_tokens=60)
+def test_parallel_off_gives_one_call_and_on_may_give_more(openai_client):
+    one = openai_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                tool_choice="required", parallel_tool_calls=False,
+                                                temperature=1, seed=5, max_tokens=60)
     assert one.choices[0].finish_reason == "tool_calls" and len(valid_calls(one.choices[0].message.tool_calls)) == 1
-    many = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                          parallel_tool_calls=True, temperature=0, max_tokens=90)
+    many = openai_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                 tool_choice="required", parallel_tool_calls=True,
+                                                 temperature=0, max_tokens=90)
     assert len(valid_calls(many.choices[0].message.tool_calls)) >= 2  # SmolLM2 greedily repeats the call
 
 
@@ -141,24 +129,24 @@ def test_auto_reads_calls_and_never_passes_an_invalid_one(server):
     print(seen)
 
 
-def test_none_renders_no_tools_and_reads_nothing(client):
-    plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=12)
-    none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
-                                          temperature=0, max_tokens=12)
+def test_none_renders_no_tools_and_reads_nothing(openai_client):
+    plain = openai_client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=12)
+    none = openai_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
+                                                 temperature=0, max_tokens=12)
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
     assert none.choices[0].message.content == plain.choices[0].message.content
     assert none.choices[0].message.tool_calls is None
 
 
-def test_a_conversation_with_calls_and_results_is_taken_and_cached(client, server):
-    first = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, tools=TOOLS,
-                                           tool_choice={"type": "function", "function": {"name": "add"}},
-                                           temperature=0, max_tokens=40)
+def test_a_conversation_with_calls_and_results_is_taken_and_cached(openai_client, server):
+    add = {"type": "function", "function": {"name": "add"}}
+    first = openai_client.chat.completions.create(model=MODEL, messages=FEW_SHOT, tools=TOOLS,
+                                                  tool_choice=add, temperature=0, max_tokens=40)
     call = first.choices[0].message.tool_calls[0]
     follow = FEW_SHOT + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                          {"role": "tool", "tool_call_id": call.id, "content": "15"}]
-    second = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, temperature=0,
-                                            max_tokens=12)
+    second = openai_client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, temperature=0,
+                                                   max_tokens=12)
     assert second.choices[0].finish_reason in ("stop", "length")
     # the forced reply, rendered back, is the tokens the model wrote: the cache serves the whole
     # prompt before the tool's result (full blocks only)

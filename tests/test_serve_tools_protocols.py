@@ -5,7 +5,10 @@ One server for the module. References: `jsonschema` (a call's input / arguments 
 against the tool's schema), the clients' stream accumulators (`messages.stream`,
 `responses.stream` rebuild the calls from the events, and must rebuild the whole answer's),
 Anthropic's documented event order for a tool_use block, and OpenAI's OpenAPI document
-(tests/openai_openapi/responses.json: every answer and event validates against it).
+(tests/openai_openapi/responses.json: every answer and event validates against it). Invalid
+calls are provoked without depending on what the model chooses: a reply format whose only
+answer writes a block that is not JSON (it ends by itself), or a forced call cut by the token
+limit (no closing tag); the reference for each is the reply's own text.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ import jsonschema
 import openai
 import pytest
 
-from live_server import LiveServer
-
 MODEL = "smollm2-135m"
 DOCUMENT = json.loads((Path(__file__).parent / "openai_openapi" / "responses.json").read_text())
 pytestmark = pytest.mark.slow
@@ -34,23 +35,11 @@ ANTHROPIC_TOOL = {"name": "get_weather", "description": "The weather in a city",
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
                   "parameters": WEATHER, "strict": True}
 ORPHAN_OUTPUT = {"type": "function_call_output", "call_id": "call_9", "output": "x"}
+# A reply that writes a call the model's way but not as JSON: the reply format forces it (the
+# reply is this JSON string) while the tools stay on auto, so the call is read and refused
+NOT_A_CALL = "<tool_call>get_time()</tool_call>"
+WRITES_NOT_A_CALL = {"type": "json_schema", "schema": {"type": "string", "const": NOT_A_CALL}}
 BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "frobnicate"}}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer("--model", MODEL, "--kv-cache-tokens", "8192") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def anthropic_client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def openai_client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=180)
 
 
 def schema_check(name: str, value: dict) -> None:
@@ -137,6 +126,51 @@ def test_tool_errors_are_400_in_anthropics_shape(server, anthropic_client, chang
         anthropic_client.messages.create(**body)
 
 
+INVALID_CASES = {"ended": ("the call is not JSON", "end_turn", "completed"),
+                 "cut": ("<tool_call> without </tool_call>", "max_tokens", "incomplete")}
+
+
+def check_invalid_entries(entries: list[dict], text: str, case: str, id_prefix: str) -> None:
+    """One entry for the reply's one block: no name (none could be read), its text as written
+    between the tags, and the reason; the reply's text is the block as the model wrote it."""
+    if case == "ended":
+        assert json.loads(text) == NOT_A_CALL    # the forced reply, whole
+    else:
+        assert text.startswith('<tool_call>{"name": "get_weather"') and "</tool_call>" not in text
+    written = text.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
+    assert len(entries) == 1, entries
+    entry = entries[0]
+    assert set(entry) == {"id", "name", "arguments", "error"} and entry["id"].startswith(id_prefix)
+    assert (entry["name"], entry["arguments"]) == (None, written)
+    assert entry["error"].startswith(INVALID_CASES[case][0]), entry["error"]
+
+
+def anthropic_invalid_request(case: str) -> dict:
+    request = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[ANTHROPIC_TOOL])
+    if case == "ended":
+        return request | dict(max_tokens=40, extra_body={"temperature": 0,
+                                                        "output_config": {"format": WRITES_NOT_A_CALL}})
+    return request | dict(max_tokens=16, tool_choice={"type": "any"}, extra_body={"temperature": 0})
+
+
+@pytest.mark.parametrize("case", INVALID_CASES)
+def test_an_invalid_tool_use_is_listed_and_never_a_block_whole_and_streamed(anthropic_client, case):
+    request = anthropic_invalid_request(case)
+    message = anthropic_client.messages.create(**request)
+    assert [b.type for b in message.content] == ["text"]
+    assert message.stop_reason == INVALID_CASES[case][1]    # what a text reply's would be
+    listed = message.model_extra["invalid_tool_uses"]
+    check_invalid_entries(listed, message.content[0].text, case, "toolu_")
+    with anthropic_client.messages.stream(**request) as stream:
+        deltas = [event for event in stream if event.type == "message_delta"]
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text == message.content[0].text
+    assert final.stop_reason == deltas[0].delta.stop_reason == message.stop_reason and len(deltas) == 1
+    streamed = deltas[0].delta.model_extra["invalid_tool_uses"]
+    check_invalid_entries(streamed, final.content[0].text, case, "toolu_")
+    assert [e | {"id": ""} for e in streamed] == [e | {"id": ""} for e in listed]
+
+
 # -- the Responses API --------------------------------------------------------------------------
 
 def test_a_forced_function_call_whole_and_streamed(openai_client, server):
@@ -192,6 +226,37 @@ def test_a_function_call_output_goes_back(openai_client):
     response = openai_client.responses.create(model=MODEL, input=history, tools=[RESPONSES_TOOL],
                                               max_output_tokens=20, temperature=0)
     assert response.status in ("completed", "incomplete") and response.output
+
+
+def responses_invalid_request(case: str) -> dict:
+    request = dict(model=MODEL, input=ASK, tools=[RESPONSES_TOOL], temperature=0)
+    if case == "ended":
+        return request | dict(max_output_tokens=40, text={"format": WRITES_NOT_A_CALL | {"name": "reply"}})
+    return request | dict(max_output_tokens=16, tool_choice="required")
+
+
+@pytest.mark.parametrize("case", INVALID_CASES)
+def test_an_invalid_function_call_is_listed_and_never_an_item_whole_and_streamed(openai_client, server, case):
+    request, status = responses_invalid_request(case), INVALID_CASES[case][2]
+    raw = openai_client.responses.with_raw_response.create(**request)
+    schema_check("Response", raw.http_response.json())
+    response = raw.parse()
+    assert [item.type for item in response.output] == ["message"] and response.status == status
+    listed = response.model_extra["invalid_function_calls"]
+    check_invalid_entries(listed, response.output_text, case, "call_")
+    with openai_client.responses.stream(**request) as stream:
+        last = [event for event in stream][-1]
+    assert last.type == f"response.{status}" and [i.type for i in last.response.output] == ["message"]
+    assert last.response.output_text == response.output_text
+    streamed = last.response.model_extra["invalid_function_calls"]
+    check_invalid_entries(streamed, last.response.output_text, case, "call_")
+    assert [e | {"id": ""} for e in streamed] == [e | {"id": ""} for e in listed]
+    events = sse_events(httpx.post(server.url + "/v1/responses", json=request | {"stream": True},
+                                   timeout=180).text)
+    for name, event in events:
+        schema_check("ResponseStreamEvent", event)
+    assert "function_call" not in {e.get("item", {}).get("type") for _, e in events}
+    assert events[-1][1]["response"]["invalid_function_calls"][0]["error"] == listed[0]["error"]
 
 
 @pytest.mark.parametrize("change, code, param", [

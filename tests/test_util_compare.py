@@ -60,3 +60,10 @@ def test_phrases_claim_no_more_than_the_interval():
     assert compare(slow, fast).phrase_than("eager").startswith("slower than eager: ")
     assert compare(fast, samples(1.0, 0.02, 9, 13)).phrase_than("eager").startswith(
         "no faster than eager beyond the noise (ratio ")
+
+
+def test_phrases_write_the_ratio_and_its_bounds_with_the_format_given():
+    c = compare(samples(1.0, 0.02, 9, 11), samples(2.0, 0.04, 9, 12))
+    assert c.phrase_than("eager", fmt="{:.1f}") == (
+        f"{c.ratio:.1f} times faster than eager (95% interval {c.low:.1f}-{c.high:.1f})")
+    assert c.phrase(fmt="{:.0f}") == f"{c.ratio:.0f} times faster (95% interval {c.low:.0f}-{c.high:.0f})"

@@ -11,8 +11,9 @@ Two measurements, written to `--out` (default `results/bench/structured/summary.
    under a schema, in one run, alternating which goes first, `--repeats` times. Output
    tokens per second of each, their ratio (median and spread over the repeats), and the
    mask time per constrained token (`LLMEngine.mask_clock`: time inside the matchers and in
-   unpacking their masks). The schema asks for at least 64 array items, so no constrained
-   request ends before max_tokens and the two batches decode the same number of tokens.
+   unpacking their masks), each step's fill (the matchers) and unpack apart. The schema asks
+   for at least 64 array items, so no constrained request ends before max_tokens, and the
+   plain rows ignore EOS, so the two batches decode the same number of tokens.
 
 Timings need a quiet machine; `--quick` only checks the plumbing.
 """
@@ -141,8 +142,11 @@ def grammar_engines(tokenizer, vocab: int, quick: bool) -> dict:
 
 def one_batch(engine: LLMEngine, prompt: list[int], config: StructuredConfig, constrained: bool, seed: int) -> dict:
     fmt = ResponseFormat.json_schema(LONG_SCHEMA)
+    # Plain rows ignore EOS: a plain row that stopped early would leave the plain batch thinner
+    # steps than the mixed one, and the ratio would compare different work.
     params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=config.max_tokens,
-                             response_format=fmt if constrained and i % 2 == 0 else None)
+                             response_format=fmt if constrained and i % 2 == 0 else None,
+                             ignore_eos=not (constrained and i % 2 == 0))
               for i in range(config.concurrency)]
     clock_before = (engine.mask_clock.seconds, engine.mask_clock.tokens, engine.mask_clock.steps_recorded)
     started = time.perf_counter()
@@ -150,10 +154,11 @@ def one_batch(engine: LLMEngine, prompt: list[int], config: StructuredConfig, co
     seconds = time.perf_counter() - started
     tokens = sum(len(o.token_ids) for o in outs)
     mask_s, mask_tokens = (engine.mask_clock.seconds - clock_before[0], engine.mask_clock.tokens - clock_before[1])
+    clock = engine.mask_clock
+    first = len(clock.steps) - (clock.steps_recorded - clock_before[2])
     return {"constrained": constrained, "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "mask_seconds": mask_s, "constrained_tokens": mask_tokens,
-            "mask_steps": engine.mask_clock.steps[len(engine.mask_clock.steps)
-                                                  - (engine.mask_clock.steps_recorded - clock_before[2]):],
+            "mask_steps": clock.steps[first:], "mask_step_parts": clock.step_parts[first:],
             "finish": sorted({o.samples[0].finish_reason for o in outs})}
 
 
@@ -169,6 +174,8 @@ def throughput(model, config: StructuredConfig) -> dict:
         runs += [pair[False], pair[True]]
         ratios.append(pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"])
     step_us = sorted(seconds * 1e6 for r in runs if r["constrained"] for seconds, _ in r["mask_steps"])
+    steps = [(fill, unpack, rows) for r in runs if r["constrained"]
+             for (fill, unpack), (_, rows) in zip(r["mask_step_parts"], r["mask_steps"])]
     mask_s = sum(r["mask_seconds"] for r in runs if r["constrained"])
     mask_tokens = sum(r["constrained_tokens"] for r in runs if r["constrained"])
     return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios),
@@ -178,6 +185,10 @@ def throughput(model, config: StructuredConfig) -> dict:
             "mask_step_us_median": statistics.median(step_us) if step_us else None,
             "mask_step_us_p90": step_us[int(0.9 * (len(step_us) - 1))] if step_us else None,
             "mask_steps": len(step_us),
+            # the same steps split: the rows' fills (the matchers), per step and per row, and the unpack
+            "mask_fill_us_median": _median([f * 1e6 for f, _, _ in steps]),
+            "mask_fill_us_per_row_median": _median([f * 1e6 / rows for f, _, rows in steps]),
+            "mask_unpack_us_median": _median([u * 1e6 for _, u, _ in steps]),
             "constrained_rows_per_step": max((n for r in runs if r["constrained"] for _, n in r["mask_steps"]),
                                              default=0),
             "weights": engine.weights, "blocks_used_after": engine.stats().blocks_used}
@@ -216,8 +227,14 @@ def summary_lines(record: dict) -> list[str]:
                  f"{len(t['ratios'])} repeats; target >= {t['target_ratio']}); mask time "
                  f"{_fmt(t['mask_us_per_token'])} us per constrained token; per step with "
                  f"{t['constrained_rows_per_step']} constrained rows: median {_fmt(t['mask_step_us_median'])} us, "
-                 f"p90 {_fmt(t['mask_step_us_p90'])} us ({t['mask_steps']} steps)")
+                 f"p90 {_fmt(t['mask_step_us_p90'])} us ({t['mask_steps']} steps); fill median "
+                 f"{_fmt(t.get('mask_fill_us_median'))} us ({_fmt(t.get('mask_fill_us_per_row_median'))} us "
+                 f"a row), unpack median {_fmt(t.get('mask_unpack_us_median'))} us")
     return lines
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _fmt(value) -> str:

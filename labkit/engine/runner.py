@@ -85,7 +85,8 @@ def _draw(seqs: list[Sequence], logits: torch.Tensor, allowed: torch.Tensor | No
 
 def _allowed(seqs: list[Sequence], vocab_size: int, clock: MaskClock | None) -> torch.Tensor:
     """Bool [len(seqs), vocab_size]: each sequence's grammar mask (its matcher's time is
-    clocked by the matcher; unpacking the masks is clocked here)."""
+    clocked by the matcher; unpacking the masks is clocked here). The step is recorded with
+    its fill (every row's matcher) and its unpack (one op for the step) apart."""
     step_started = time.perf_counter()
     bitmask = torch.zeros(len(seqs), bitmask_words(vocab_size), dtype=torch.int32)
     for row, seq in enumerate(seqs):
@@ -95,7 +96,7 @@ def _allowed(seqs: list[Sequence], vocab_size: int, clock: MaskClock | None) -> 
     if clock is not None:
         done = time.perf_counter()
         clock.seconds += done - started
-        clock.record_step(done - step_started, len(seqs))
+        clock.record_step(done - step_started, len(seqs), fill_seconds=started - step_started)
     return allowed
 
 

@@ -157,11 +157,66 @@ def as_cache_requests(played: list[PlayedTurn], tokenizer) -> list[CacheRequest]
     return requests
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope of y = a + b x."""
-    n = len(xs)
-    if n < 2 or len(set(xs)) < 2:
-        raise ValueError("a line needs at least two distinct x values")
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
+@dataclass(frozen=True)
+class MessagesTurn:
+    """One turn sent over the Anthropic Messages route with `cache_control` breakpoints at the
+    system prompt's end and at the last user message's end, and the usage the server reported."""
+
+    conversation: int
+    turn: int
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    reply: str
+    messages: tuple[tuple[str, str], ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.input_tokens + self.cache_creation_input_tokens + self.cache_read_input_tokens
+
+
+def play_messages(url: str, model: str, system: str, *, conversations: int, turns: int, max_tokens: int = 16,
+                  api_key: str = "unused") -> list[MessagesTurn]:
+    """The workload of `play` (round-robin, greedy) over `POST /v1/messages` with the official
+    `anthropic` client: the system prompt is one text block marked with `cache_control`, and so
+    is the last user message, as a client marks both ends. The Messages API has no
+    `cache_salt`: the scope is the API key's alone."""
+    from anthropic import Anthropic
+
+    client = Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=300)
+    mark = {"type": "ephemeral"}
+    histories: list[list[dict]] = [[] for _ in range(conversations)]
+    played = []
+    for turn in range(turns):
+        for c in range(conversations):
+            history = histories[c]
+            history.append({"role": "user", "content": QUESTIONS[(c + turn) % len(QUESTIONS)]})
+            sent = history[:-1] + [{"role": "user", "content": [
+                {"type": "text", "text": history[-1]["content"], "cache_control": mark}]}]
+            # this client version has no `temperature` argument; the route still takes the field
+            answer = client.messages.create(model=model, max_tokens=max_tokens, extra_body={"temperature": 0.0},
+                                            system=[{"type": "text", "text": system, "cache_control": mark}],
+                                            messages=sent)
+            reply = "".join(block.text for block in answer.content if block.type == "text")
+            usage = answer.usage
+            sent_messages = (("system", system),) + tuple((m["role"], m["content"]) for m in history)
+            played.append(MessagesTurn(c, turn, usage.input_tokens, usage.cache_creation_input_tokens or 0,
+                                       usage.cache_read_input_tokens or 0, reply, sent_messages))
+            history.append({"role": "assistant", "content": reply})
+    return played
+
+
+def fit_quadratic(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """a, b, c of y = a + b x + c x^2 by least squares on the relative error ((y - fit) / y),
+    so that short prompts (a few tens of ms) weigh as much as long ones (seconds): timing noise
+    grows with the time measured."""
+    import numpy as np
+
+    if len(set(xs)) < 3:
+        raise ValueError("a quadratic needs at least three distinct x values")
+    if any(y <= 0 for y in ys):
+        raise ValueError("times must be positive")
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    design = np.stack([np.ones_like(x), x, x * x], axis=1) / y[:, None]
+    (a, b, c), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+    return float(a), float(b), float(c)

@@ -140,42 +140,77 @@ class Attempt:
     finish: str
     strict_valid: bool     # the whole reply is JSON and validates
     lenient_valid: bool    # the first JSON value in the reply validates
+    draw: int = 0          # which of a schema's requests in its arm this is (0, 1, ...)
 
 
 def judge(name: str, schema: dict, constrained: bool, params: SamplingParams, text: str,
-          token_ids: Sequence[int], finish: str) -> Attempt:
+          token_ids: Sequence[int], finish: str, draw: int = 0) -> Attempt:
     check = validator(schema)
     readings = []
     for read in (strict_value, lenient_value):
         parsed, value = read(text)
         readings.append(parsed and check.is_valid(value))
     return Attempt(name, constrained, params.temperature, params.seed or 0, text, tuple(token_ids), finish,
-                   *readings)
+                   *readings, draw)
 
 
-def generate_attempts(engine, tokenizer, jobs: Sequence[tuple[str, dict, bool, int]], *, temperature: float,
+def generate_attempts(engine, tokenizer, jobs: Sequence[tuple], *, temperature: float,
                       max_tokens: int, chat: bool | None = None) -> list[Attempt]:
-    """One engine batch of (schema name, schema, constrained, seed) jobs, each prompted with
-    `schema_prompt`."""
+    """One engine batch of (schema name, schema, constrained, seed[, draw]) jobs, each
+    prompted with `schema_prompt`."""
     params, batch = [], []
-    for name, schema, constrained, seed in jobs:
+    for name, schema, constrained, seed, *_ in jobs:
         fmt = ResponseFormat.json_schema(schema) if constrained else None
         params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                      response_format=fmt))
         batch.append(schema_prompt(tokenizer, schema, chat=chat))
     outs = engine.generate(batch, params)
-    return [judge(name, schema, constrained, p, o.samples[0].text, o.samples[0].token_ids,
-                   o.samples[0].finish_reason)
-            for (name, schema, constrained, _), p, o in zip(jobs, params, outs)]
+    return [judge(job[0], job[1], job[2], p, o.samples[0].text, o.samples[0].token_ids,
+                  o.samples[0].finish_reason, job[4] if len(job) > 4 else 0)
+            for job, p, o in zip(jobs, params, outs)]
 
 
-def validity_run(engine, tokenizer, schemas: dict[str, dict], seeds: Sequence[int], *, temperature: float,
-                 max_tokens: int, chat: bool | None = None) -> list[Attempt]:
-    """Every schema x seed, unconstrained and constrained, in one batch."""
-    jobs = [(name, schema, constrained, seed) for constrained in (False, True)
-            for name, schema in schemas.items() for seed in seeds]
+def validity_run(engine, tokenizer, schemas: dict[str, dict], draws: int = 1, *, temperature: float,
+                 max_tokens: int, first_seed: int = 0, arms: Sequence[bool] = (False, True),
+                 chat: bool | None = None) -> list[Attempt]:
+    """Every schema `draws` times in each arm (False: free, True: under the mask), in one
+    batch. Every request gets its own seed (first_seed, first_seed + 1, ...): a step's draw
+    depends only on (seed, step), so requests that shared a seed would share one random
+    stream and not be independent samples."""
+    jobs: list[tuple] = []
+    for constrained in arms:
+        for name, schema in schemas.items():
+            for draw in range(draws):
+                jobs.append((name, schema, constrained, first_seed + len(jobs), draw))
     return generate_attempts(engine, tokenizer, jobs, temperature=temperature, max_tokens=max_tokens,
                              chat=chat)
+
+
+def paired_outcomes(attempts: Sequence[Attempt]) -> tuple[list[bool], list[bool]]:
+    """(free, masked) validity, aligned: the free and the masked request of each (schema, draw,
+    temperature) that has both, in the order the free ones come."""
+    masked = {(a.schema, a.draw, a.temperature): a.strict_valid for a in attempts if a.constrained}
+    pairs = [(a.strict_valid, masked[key]) for a in attempts if not a.constrained
+             and (key := (a.schema, a.draw, a.temperature)) in masked]
+    return [f for f, _ in pairs], [m for _, m in pairs]
+
+
+def draw_counts(attempts: Sequence[Attempt], constrained: bool) -> list[int]:
+    """Valid replies in each draw of one arm (draw 0 over the schemas, draw 1, ...): the
+    spread across seeds."""
+    group = [a for a in attempts if a.constrained == constrained]
+    return [sum(a.strict_valid for a in group if a.draw == d) for d in sorted({a.draw for a in group})]
+
+
+def guarantee_counts(attempts: Sequence[Attempt]) -> dict:
+    """The mask's guarantee over constrained replies: valid, cut at max_tokens without being
+    valid (an unfinished value), and stopped on their own yet invalid (a broken guarantee);
+    with the distinct seeds they were sampled with."""
+    group = [a for a in attempts if a.constrained]
+    return {"replies": len(group), "seeds": len({a.seed for a in group}),
+            "valid": sum(a.strict_valid for a in group),
+            "cut at max_tokens": sum(a.finish == "length" and not a.strict_valid for a in group),
+            "stopped, not valid": sum(a.finish != "length" and not a.strict_valid for a in group)}
 
 
 def validity_rows(attempts: Sequence[Attempt], label: str = "") -> list[dict]:
@@ -236,11 +271,14 @@ def repair_run(engine, tokenizer, schemas: dict[str, dict], plain: Sequence[Atte
     - constrained retry: validate, and regenerate once under the mask if invalid;
     - constrained from the start.
     Tokens count every generation a sequential client would have run (retries stop at the
-    first valid reply), so a strategy's cost includes its wasted first attempt."""
+    first valid reply), so a strategy's cost includes its wasted first attempt. Every new
+    generation gets a seed no other request here has: the first attempts' seeds plus a stride
+    above all of them (retry k: k strides; the constrained retry: retries + 1 strides)."""
     failed = [a for a in plain if not a.strict_valid]
-    jobs = [(a.schema, schemas[a.schema], False, a.seed + 1000 * k)
+    stride = 1 + max((a.seed for a in [*plain, *constrained]), default=0)
+    jobs = [(a.schema, schemas[a.schema], False, a.seed + stride * k)
             for a in failed for k in range(1, retries + 1)]
-    jobs += [(a.schema, schemas[a.schema], True, a.seed + 1000) for a in failed]
+    jobs += [(a.schema, schemas[a.schema], True, a.seed + stride * (retries + 1)) for a in failed]
     temperature = plain[0].temperature if plain else 1.0
     redone = generate_attempts(engine, tokenizer, jobs, temperature=temperature, max_tokens=max_tokens)
     retried = {(a.schema, a.seed): redone[i * retries:(i + 1) * retries] for i, a in enumerate(failed)}
@@ -360,6 +398,7 @@ class Judged:
     checks: dict[str, bool]
     constrained: bool = True
     repaired: bool = False   # valid only after `repair_text`
+    finish: str = "stop"     # the engine's finish reason ("length": cut at max_tokens)
 
     @property
     def right(self) -> bool:
@@ -384,7 +423,7 @@ def semantic_run(engine, tokenizer, tasks: Sequence[Task], seeds: Sequence[int],
             _, valid, value = repaired_value(out.text, task.schema)
             repaired = valid
         judged.append(Judged(task, seed, out.text, valid, semantic_checks(task, value) if valid else {},
-                             constrained, repaired))
+                             constrained, repaired, out.samples[0].finish_reason))
     return judged
 
 
@@ -396,6 +435,7 @@ def semantic_rows(judged: Sequence[Judged]) -> list[dict]:
         valid = [j for j in group if j.valid]
         rows.append({"task": kind, "mask": "schema" if group[0].constrained else "none, then repaired",
                      "replies": len(group), "schema-valid": len(valid),
+                     "not valid, cut at max_tokens": sum(not j.valid and j.finish == "length" for j in group),
                      "valid only after repair": sum(j.repaired for j in group),
                      "valid and right": sum(j.right for j in valid),
                      "valid but wrong": sum(not j.right for j in valid)})

@@ -43,20 +43,30 @@ class DocumentedFigure:
 ANTHROPIC_PAGE = "https://platform.claude.com/en/docs/build-with-claude/prompt-caching"
 OPENAI_PAGE = "https://openai.com/index/api-prompt-caching/"
 OPENAI_GUIDE = "https://platform.openai.com/docs/guides/prompt-caching"
+OPENAI_PRICING = "https://platform.openai.com/docs/pricing"
+# OpenAI's API reference for `prompt_cache_retention`, as the official `openai` client (3.57.0) ships it
+OPENAI_REFERENCE = "https://platform.openai.com/docs/api-reference/chat/create#prompt_cache_retention"
 
 # Every provider figure the calculator uses, and the notes it does not, in one table (the
-# chapter prints it): nothing below is typed anywhere else.
+# chapter prints it): nothing below is typed anywhere else. A contract named after a model
+# generation ("openai, GPT-5") takes that row before its provider's.
 DOCUMENTED = (
-    DocumentedFigure("anthropic", "automatic", False, "only what the client marks with cache_control "
-                     "breakpoints is cached", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "automatic", False, "cached only up to a cache_control breakpoint: on a "
+                     "block the client marks, or, with a top-level cache_control (automatic caching), on "
+                     "the last cacheable block, moving forward as the conversation grows", ANTHROPIC_PAGE),
     DocumentedFigure("anthropic", "max_breakpoints", 4, "at most 4 breakpoints per request", ANTHROPIC_PAGE),
     DocumentedFigure("anthropic", "minimum_tokens", 1024, "minimum cacheable prompt for Sonnet 4 and Opus 4 "
                      "(other models: 2,048 or 4,096)", ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "minimum_tokens_large", 4096, "minimum cacheable prompt for Opus 4.5 and "
+                     "Haiku 4.5", ANTHROPIC_PAGE),
     DocumentedFigure("anthropic", "increment_tokens", 1, "an entry ends exactly at a breakpoint",
                      ANTHROPIC_PAGE),
     DocumentedFigure("anthropic", "read_multiplier", 0.1, "a cache read costs 0.1x the base input price",
                      ANTHROPIC_PAGE),
     DocumentedFigure("anthropic", "caches_reply", False, "an entry is the prompt up to a breakpoint",
+                     ANTHROPIC_PAGE),
+    DocumentedFigure("anthropic", "readable_after_response_start", True, "an entry becomes available only "
+                     "once the first response has begun; for hits on parallel requests, wait for it",
                      ANTHROPIC_PAGE),
     DocumentedFigure("anthropic, 5-minute", "write_multiplier", 1.25, "a 5-minute cache write costs 1.25x "
                      "the base input price", ANTHROPIC_PAGE),
@@ -71,14 +81,23 @@ DOCUMENTED = (
     DocumentedFigure("openai", "increment_tokens", 128, "cached lengths grow in 128-token steps",
                      OPENAI_PAGE),
     DocumentedFigure("openai", "write_multiplier", 1.0, "no fee to write", OPENAI_PAGE),
-    DocumentedFigure("openai", "read_multiplier", 0.5, "at launch, cached input at half price for GPT-4o "
-                     "(later models list other discounts)", OPENAI_PAGE),
+    DocumentedFigure("openai", "read_multiplier", 0.5, "at launch (October 2024), cached input at half price "
+                     "for GPT-4o", OPENAI_PAGE),
+    DocumentedFigure("openai, GPT-5", "read_multiplier", 0.1, "cached input at a tenth of the input price "
+                     "for the GPT-5 models", OPENAI_PRICING),
     DocumentedFigure("openai", "caches_reply", False, "hits are exact prefix matches of earlier prompts; "
                      "nothing says a reply is cached before it is sent back as a prompt", OPENAI_GUIDE),
-    DocumentedFigure("openai", "ttl_seconds", 300.0, "cleared after 5 to 10 minutes without use: the "
-                     "calculator takes the shorter", OPENAI_PAGE),
-    DocumentedFigure("openai", "ttl_max_seconds", 3600.0, "up to one hour after last use during off-peak "
-                     "periods: the calculator's best case", OPENAI_GUIDE),
+    DocumentedFigure("openai", "readable_after_response_start", False, "nothing documented: the calculator "
+                     "lets an entry be read as soon as the request that wrote it arrived", OPENAI_GUIDE),
+    DocumentedFigure("openai", "ttl_seconds", 300.0, "in memory: cleared after 5 to 10 minutes without use "
+                     "(at most an hour off-peak): the calculator takes the shorter", OPENAI_GUIDE),
+    DocumentedFigure("openai", "ttl_extended_seconds", 86400.0, "prompt_cache_retention 24h keeps prefixes "
+                     "up to 24 hours; the default for organizations without zero data retention, on the "
+                     "models that offer it: the calculator's best case", OPENAI_REFERENCE),
+    DocumentedFigure("openai", "routing note", "prompt_cache_key; about 15 requests per minute",
+                     "requests are routed by prefix and prompt_cache_key; above about 15 requests a minute "
+                     "for one prefix and key some go to other machines and miss: not modelled (the "
+                     "workload sends fewer)", OPENAI_GUIDE),
     DocumentedFigure("anthropic", "usage fields", "input_tokens, cache_creation_input_tokens, "
                      "cache_read_input_tokens", "what the usage object reports", ANTHROPIC_PAGE),
     DocumentedFigure("openai", "usage fields", "prompt_tokens, prompt_tokens_details.cached_tokens",
@@ -87,9 +106,12 @@ DOCUMENTED = (
 
 
 def documented(contract: str, figure: str):
-    """The documented value of `figure` for `contract` (its own row, else its provider's)."""
+    """The documented value of `figure` for `contract`: its own row, else the row of the longest
+    comma-separated start of its name ("openai, GPT-5" for "openai, GPT-5, 24-hour retention"),
+    else its provider's."""
+    parts = contract.split(", ")
     provider = contract.split(",")[0].split(" ")[0]
-    for name in (contract, provider):
+    for name in [", ".join(parts[:k]) for k in range(len(parts), 0, -1)] + [provider]:
         for row in DOCUMENTED:
             if row.contract == name and row.figure == figure:
                 return row.value
@@ -110,6 +132,7 @@ class CachingContract:
     ttl_seconds: float | None    # an entry unused this long is gone (refreshed on every hit); None: until evicted
     max_breakpoints: int | None = None
     never_last_token: bool = False  # the prompt's last token is always computed
+    readable_after_response_start: bool = False  # an entry is read only once its writer's response began
     caches_reply: bool = False   # an automatic cache's entry runs on through the reply's tokens
     usage: str = "openai"        # which provider's usage fields report it (`usage_fields`)
 
@@ -117,7 +140,7 @@ class CachingContract:
 def _provider_contract(name: str, source: str, **override) -> CachingContract:
     fields = {f: documented(name, f) for f in ("automatic", "minimum_tokens", "increment_tokens",
                                                 "write_multiplier", "read_multiplier", "ttl_seconds",
-                                                "caches_reply")}
+                                                "caches_reply", "readable_after_response_start")}
     if not fields["automatic"]:
         fields["max_breakpoints"] = documented(name, "max_breakpoints")
     fields.update(override)
@@ -127,11 +150,12 @@ def _provider_contract(name: str, source: str, **override) -> CachingContract:
 PROVIDER_CONTRACTS = {
     name: _provider_contract(name, page)
     for name, page in [("anthropic, 5-minute", ANTHROPIC_PAGE), ("anthropic, 1-hour", ANTHROPIC_PAGE),
-                       ("openai (launch, GPT-4o)", OPENAI_PAGE)]
+                       ("openai, GPT-5", OPENAI_PRICING), ("openai (launch, GPT-4o)", OPENAI_PAGE)]
 }
-# OpenAI's off-peak best case: the same cache, kept for the documented hour.
-OPENAI_BEST_CASE = _provider_contract("openai, off-peak best case", OPENAI_GUIDE,
-                                      ttl_seconds=documented("openai", "ttl_max_seconds"))
+# The GPT-5 models' cache kept for the documented 24 hours (extended retention): a best case, since
+# 24 hours is a maximum, not a promise.
+OPENAI_BEST_CASE = _provider_contract("openai, GPT-5, 24-hour retention", OPENAI_REFERENCE,
+                                      ttl_seconds=documented("openai", "ttl_extended_seconds"))
 
 
 def labkit_contract(block_size: int = 16) -> CachingContract:
@@ -145,12 +169,14 @@ class CacheRequest:
     """One request of a workload: its prompt's token ids, the ids its reply added to the
     sequence (a later turn's prompt may start with them), when it arrived, and where the
     client's cache breakpoints end (token counts, at most the contract's maximum; none: the
-    request marks nothing)."""
+    request marks nothing), and how long after its arrival its response began (where the
+    contract makes an entry readable only from then)."""
 
     prompt: tuple[int, ...]
     reply: tuple[int, ...] = ()
     arrival_s: float = 0.0
     breakpoints: tuple[int, ...] = ()
+    response_start_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -210,20 +236,24 @@ def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list
     whole entry, one that ends at a breakpoint some request wrote, that the prompt starts with
     and that ends by the request's last breakpoint; it then writes an entry at each of the
     request's breakpoints past what it read, billing as written every token from the read to
-    the last of them. A request without a breakpoint neither reads nor writes."""
-    entries: list[tuple[tuple[int, ...], float]] = []
+    the last of them. A request without a breakpoint neither reads nor writes. Where the contract
+    says so (`readable_after_response_start`), an entry can be read only from the moment the
+    response of the request that wrote it began (`response_start_s` after its arrival)."""
+    entries: list[tuple[tuple[int, ...], float, float]] = []  # tokens, last used, readable from
     billed = []
     for request in requests:
         now, prompt = request.arrival_s, request.prompt
         marks = () if contract.automatic else _check_breakpoints(contract, request)
-        live = [(tokens, used) for tokens, used in entries
+        live = [(tokens, used, ready) for tokens, used, ready in entries
                 if contract.ttl_seconds is None or now - used <= contract.ttl_seconds]
         if contract.automatic:
             limit = len(prompt) - 1 if contract.never_last_token else len(prompt)
         else:
             limit = marks[-1] if marks else 0
         read, hit = 0, None
-        for index, (tokens, _) in enumerate(live):
+        for index, (tokens, _, ready) in enumerate(live):
+            if ready > now:  # its writer's response has not begun: not readable yet
+                continue
             if contract.automatic:
                 shared = cacheable(contract, min(common_prefix(tokens, prompt), limit))
             else:  # an entry ends at a breakpoint a client wrote: it is read whole or not at all
@@ -231,15 +261,16 @@ def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list
             if shared > read:
                 read, hit = shared, index
         if hit is not None:
-            live[hit] = (live[hit][0], now)  # a hit refreshes the entry's time to live
+            live[hit] = (live[hit][0], now, live[hit][2])  # a hit refreshes the entry's time to live
+        ready = now + request.response_start_s if contract.readable_after_response_start else now
         written = 0
         if contract.automatic:
-            live.append((prompt + request.reply if contract.caches_reply else prompt, now))
+            live.append((prompt + request.reply if contract.caches_reply else prompt, now, ready))
         else:
             ends = [end for end in (cacheable(contract, m) for m in marks) if end > read]
             if ends:
                 written = max(ends) - read
-                live += [(prompt[:end], now) for end in ends]
+                live += [(prompt[:end], now, ready) for end in ends]
         entries = live
         billed.append(Billed(read, written, len(prompt) - read - written))
     return billed

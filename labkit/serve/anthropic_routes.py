@@ -29,7 +29,7 @@ from labkit.protocols.templates import encode_conversation
 from labkit.sampling import SamplingParams
 from labkit.serve import prompt_ids
 from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest, parse
-from labkit.serve.anthropic_tools import answer_content, tool_message_events, tool_messages, tool_use_of
+from labkit.serve.anthropic_tools import BlockFrames, answer_content, tool_messages, tool_use_of
 from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS, message_body, message_events
 from labkit.serve.errors import APIError, invalid
 from labkit.serve.request_path import EngineWork, RequestPath
@@ -136,17 +136,15 @@ def anthropic_router(path: RequestPath) -> APIRouter:
         call = path.call(work, streams, user=user)
         if fields.stream:
             call.attach(request)
-            if tool_use is not None and tool_use.reads_calls:
-                events = tool_message_events(call, len(ids), params.stop, tokenizer.decode, tool_use)
-            else:
-                events = message_events(call, len(ids), params.stop, tokenizer.decode, breakpoint_tokens)
+            blocks = BlockFrames(tool_use) if tool_use is not None and tool_use.reads_calls else None
+            events = message_events(call, len(ids), params.stop, tokenizer.decode, breakpoint_tokens, blocks)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         def render(outputs) -> dict:
-            content, called = answer_content(outputs[0].samples[0].text, tool_use)
+            read = answer_content(outputs[0].samples[0].text, tool_use)
             return message_body(work.response_id, path.settings.model_name, outputs[0], params.stop,
-                                tokenizer.decode, breakpoint_tokens, content, called)
+                                tokenizer.decode, breakpoint_tokens, read.blocks, read.called, read.invalid)
 
         return await call.answer(request, shape=ANTHROPIC_ERRORS, render=render)
 

@@ -12,9 +12,16 @@ The reply is read by the core: each valid call is a `tool_use` block (`id` "tool
 with neither is one empty text block), and `stop_reason` is `tool_use`. An invalid call
 (unknown tool, input that does not match the schema, bad JSON, a second call with
 `disable_parallel_tool_use`) is never a `tool_use` block: its text stays in the text, as the
-model wrote it. Streamed, each text run is a text block of `text_delta`s and each call a block of
-its own: `content_block_start` with `{"type": "tool_use", "id", "name", "input": {}}`, one
-`input_json_delta` with the whole input's JSON as `partial_json`, `content_block_stop`.
+model wrote it, `stop_reason` is what it would be for a text reply (`end_turn`, `max_tokens`,
+`stop_sequence`), and the call is listed in labkit's extension `invalid_tool_uses`, a
+top-level field of the message: `[{"id": "toolu_...", "name" (as written, null if unreadable),
+"arguments" (the text as written, null if unreadable), "error" (the reason)}]`, chat's
+`invalid_tool_calls` entry (absent when every call is valid). Streamed, each text run is a
+text block of `text_delta`s and each call a block of its own: `content_block_start` with
+`{"type": "tool_use", "id", "name", "input": {}}`, one `input_json_delta` with the whole
+input's JSON as `partial_json`, `content_block_stop`; the invalid calls come in
+`message_delta`'s `delta`, beside `stop_reason`. The stream itself (its order, closing frames
+and errors) is `labkit.serve.anthropic_wire.message_events`, with `BlockFrames` for the blocks.
 """
 
 from __future__ import annotations
@@ -22,15 +29,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from labkit.protocols.tool_use import (CallSplitter, InvalidToolCall, ToolCall, ToolChoice, ToolResult,
                                        ToolSpec, ToolUseError, Turn, render_turns)
 from labkit.serve.anthropic_protocol import CountTokensRequest, TextBlock, ToolResultBlock, ToolUseBlock
-from labkit.serve.anthropic_wire import ANTHROPIC_ERRORS, PING, frame, stop_reason, usage
-from labkit.serve.calls import Call, failure_error, outcome_of
-from labkit.serve.engine_client import EngineFailure
+from labkit.serve.anthropic_wire import frame
 from labkit.serve.errors import invalid
-from labkit.serve.tool_requests import ToolUse, checked_tool_use
+from labkit.serve.tool_requests import ToolUse, checked_tool_use, invalid_entry
 
 CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 ERROR_PREFIX = "(error) "   # a tool_result with is_error: its text, marked for the model
@@ -106,12 +112,22 @@ def tool_use_block(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
 
 
-def answer_content(text: str, tool_use: ToolUse | None) -> tuple[list[dict], bool]:
-    """The answer's content blocks, and whether it made a valid call."""
+class AnswerContent(NamedTuple):
+    """A whole reply read for calls: its content blocks, whether one is a valid call, and the
+    invalid calls' entries (labkit's `invalid_tool_uses`)."""
+
+    blocks: list[dict]
+    called: bool
+    invalid: list[dict]
+
+
+def answer_content(text: str, tool_use: ToolUse | None) -> AnswerContent:
+    """The answer's content blocks, whether it made a valid call, and its invalid calls."""
     if tool_use is None or not tool_use.reads_calls:
-        return [{"type": "text", "text": text}], False
+        return AnswerContent([{"type": "text", "text": text}], False, [])
     splitter = CallSplitter(tool_use.specs, tool_use.choice.parallel, new_tool_use_id)
     blocks: list[dict] = []
+    bad_calls: list[dict] = []
     for piece in splitter.feed(text) + splitter.finish():   # in the reply's order, as streamed
         if isinstance(piece, str):
             if blocks and blocks[-1]["type"] == "text":
@@ -120,18 +136,44 @@ def answer_content(text: str, tool_use: ToolUse | None) -> tuple[list[dict], boo
                 blocks.append({"type": "text", "text": piece})
         elif isinstance(piece, ToolCall):
             blocks.append(tool_use_block(piece))
+        else:   # its text came as text pieces
+            bad_calls.append(invalid_entry(piece))
     called = any(b["type"] == "tool_use" for b in blocks)
-    return blocks or [{"type": "text", "text": ""}], called
+    return AnswerContent(blocks or [{"type": "text", "text": ""}], called, bad_calls)
 
 
 @dataclass
 class BlockFrames:
-    """The content blocks of a streamed reply with tools, as they are read."""
+    """The content blocks of a streamed reply read for calls, as its text comes
+    (a `ContentFrames` for labkit.serve.anthropic_wire.message_events)."""
 
+    tool_use: ToolUse
     index: int = 0
     text_open: bool = False
     called: bool = False
+    invalid: list[dict] = field(default_factory=list)
     frames: list[str] = field(default_factory=list)
+    splitter: CallSplitter = None
+
+    def __post_init__(self) -> None:
+        self.splitter = CallSplitter(self.tool_use.specs, self.tool_use.choice.parallel, new_tool_use_id)
+
+    def opening(self) -> list[str]:
+        return []   # no block before the first ping: the first may be a tool_use
+
+    def add(self, text: str) -> list[str]:
+        return self.pieces(self.splitter.feed(text))
+
+    def closing(self) -> list[str]:
+        """The held-back rest, then the open text block closed; a reply with no block at all
+        gets one empty text block."""
+        out = self.pieces(self.splitter.finish())
+        if self.index == 0 and not self.text_open:
+            self.frames.append(frame("content_block_start", {"type": "content_block_start", "index": 0,
+                                                             "content_block": {"type": "text", "text": ""}}))
+            self.text_open = True
+        self.close_text()
+        return out + self.taken()
 
     def close_text(self) -> None:
         if self.text_open:
@@ -139,7 +181,11 @@ class BlockFrames:
                                                             "index": self.index}))
             self.text_open, self.index = False, self.index + 1
 
-    def add(self, pieces: Sequence[str | ToolCall | InvalidToolCall]) -> list[str]:
+    def taken(self) -> list[str]:
+        out, self.frames = self.frames, []
+        return out
+
+    def pieces(self, pieces: Sequence[str | ToolCall | InvalidToolCall]) -> list[str]:
         for piece in pieces:
             if isinstance(piece, str):
                 if not self.text_open:
@@ -160,53 +206,6 @@ class BlockFrames:
                                                             "partial_json": piece.arguments_json}}),
                     frame("content_block_stop", {"type": "content_block_stop", "index": self.index})]
                 self.index, self.called = self.index + 1, True
-            # an invalid call: its text came as text pieces
-        out, self.frames = self.frames, []
-        return out
-
-    def end(self) -> list[str]:
-        """Close the open text block; a reply with no block at all gets one empty text block."""
-        if self.index == 0 and not self.text_open:
-            self.frames.append(frame("content_block_start", {"type": "content_block_start", "index": 0,
-                                                             "content_block": {"type": "text", "text": ""}}))
-            self.text_open = True
-        self.close_text()
-        out, self.frames = self.frames, []
-        return out
-
-
-async def tool_message_events(call: Call, prompt_tokens: int, stops: Sequence[str], decode,
-                              tool_use: ToolUse):
-    """The stream of one message whose reply is read for tool calls (see the module's docstring)."""
-    outcome, failure = "cancelled", None
-    splitter = CallSplitter(tool_use.specs, tool_use.choice.parallel, new_tool_use_id)
-    blocks = BlockFrames()
-    try:
-        start = {"id": call.response_id, "type": "message", "role": "assistant", "content": [],
-                 "model": call.model, "stop_reason": None, "stop_sequence": None,
-                 "usage": usage(None, prompt_tokens, 0)}
-        yield frame("message_start", {"type": "message_start", "message": start})
-        yield PING
-        async for item in call.events(call.keepalive_s):
-            if item is None:
-                yield PING
-            elif item[1].text:
-                for text in blocks.add(splitter.feed(item[1].text)):
-                    yield text
-        for text in blocks.add(splitter.finish()) + blocks.end():
-            yield text
-        output = call.streams[0].output
-        reason, sequence = stop_reason(output.samples[0], stops, decode)
-        if blocks.called and reason == "end_turn":
-            reason = "tool_use"
-        yield frame("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": usage(output, prompt_tokens, 0)})
-        yield frame("message_stop", {"type": "message_stop"})
-        outcome = "ok"
-    except (EngineFailure, ValueError) as error:
-        outcome, failure = outcome_of(error), error
-        yield frame("error", ANTHROPIC_ERRORS.body(failure_error(error)))
-    finally:
-        call.abort_all()
-        call.finish(outcome, failure)
+            else:   # an invalid call: its text came as text pieces
+                self.invalid.append(invalid_entry(piece))
+        return self.taken()

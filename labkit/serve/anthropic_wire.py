@@ -15,6 +15,15 @@ message_stop; `ping` also keeps a silent stream open. A failure after the stream
 one `error` event, and the stream ends. `message_start` counts the whole prompt as
 `input_tokens`: the engine tells the cache's share when the request ends, so the final split
 is the one in `message_delta` (Anthropic's counts there are cumulative; its clients take them).
+A reply read for tool calls (labkit.serve.anthropic_tools) streams its blocks through the same
+function (`message_events` with its `BlockFrames`): one writer of the stream's frame order,
+closing frames and error handling for both.
+
+labkit's extension, `invalid_tool_uses`: a reply read for tool calls whose blocks are not
+valid calls lists each, `{"id", "name", "arguments", "error"}` (chat's `invalid_tool_calls`
+entry, labkit.serve.tool_requests), as a top-level field of the message and, streamed, in
+`message_delta`'s `delta` beside `stop_reason`; absent when there are none. The official
+client keeps it: `message.model_extra["invalid_tool_uses"]`, `event.delta.model_extra[...]`.
 
 Errors are Anthropic's documented shape, `{"type": "error", "error": {"type", "message"}}`,
 with its status mapping (https://docs.claude.com/en/api/errors): 400 invalid_request_error
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Protocol
 
 from labkit.engine.llm_engine import RequestOutput, SampleOutput
 from labkit.serve.calls import Call, failure_error, outcome_of
@@ -83,20 +93,29 @@ def usage(output: RequestOutput | None, prompt_tokens: int, breakpoint_tokens: i
             "cache_creation_input_tokens": created, "cache_read_input_tokens": cached}
 
 
-def message_body(message_id: str, model: str, output: RequestOutput, stops: Sequence[str], decode,
-                 breakpoint_tokens: int, content: list[dict] | None = None, called: bool = False) -> dict:
-    """The whole message; `content` the blocks read from the reply (default: its text as one
-    text block), `called` whether they hold a valid tool call (then `stop_reason` `tool_use`,
-    unless the reply was cut by max_tokens or a stop sequence)."""
-    sample = output.samples[0]
+def final_stop(sample: SampleOutput, stops: Sequence[str], decode, called: bool) -> tuple[str, str | None]:
+    """`stop_reason` as the answer says it: `tool_use` for a reply with a valid tool call that
+    ended by itself (one cut by max_tokens or a stop sequence says so instead)."""
     reason, sequence = stop_reason(sample, stops, decode)
-    if called and reason == "end_turn":
-        reason = "tool_use"
-    return {"id": message_id, "type": "message", "role": "assistant",
+    return ("tool_use" if called and reason == "end_turn" else reason), sequence
+
+
+def message_body(message_id: str, model: str, output: RequestOutput, stops: Sequence[str], decode,
+                 breakpoint_tokens: int, content: list[dict] | None = None, called: bool = False,
+                 invalid: Sequence[dict] = ()) -> dict:
+    """The whole message; `content` the blocks read from the reply (default: its text as one
+    text block), `called` whether they hold a valid tool call (`final_stop`), `invalid` the
+    reply's invalid calls (labkit's `invalid_tool_uses`, absent when there are none)."""
+    sample = output.samples[0]
+    reason, sequence = final_stop(sample, stops, decode, called)
+    body = {"id": message_id, "type": "message", "role": "assistant",
             "content": [{"type": "text", "text": sample.text}] if content is None else content,
             "model": model,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(output, len(output.prompt_token_ids), breakpoint_tokens)}
+    if invalid:
+        body["invalid_tool_uses"] = list(invalid)
+    return body
 
 
 # -- streams -------------------------------------------------------------------------------
@@ -108,29 +127,69 @@ def frame(event: str, data: dict) -> str:
 PING = frame("ping", {"type": "ping"})
 
 
+class ContentFrames(Protocol):
+    """The content blocks' frames of a streamed reply, made from its text as it comes:
+    `opening` before the first ping, `add` for each new text, `closing` at the end; then
+    whether the blocks hold a valid tool call (`called`) and the invalid calls' entries."""
+
+    called: bool
+    invalid: Sequence[dict]
+
+    def opening(self) -> list[str]: ...
+
+    def add(self, text: str) -> list[str]: ...
+
+    def closing(self) -> list[str]: ...
+
+
+class TextFrames:
+    """A reply not read for tool calls: one text block, opened before the first ping."""
+
+    called = False
+    invalid: Sequence[dict] = ()
+
+    def opening(self) -> list[str]:
+        return [frame("content_block_start", {"type": "content_block_start", "index": 0,
+                                              "content_block": {"type": "text", "text": ""}})]
+
+    def add(self, text: str) -> list[str]:
+        return [frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                              "delta": {"type": "text_delta", "text": text}})]
+
+    def closing(self) -> list[str]:
+        return [frame("content_block_stop", {"type": "content_block_stop", "index": 0})]
+
+
 async def message_events(call: Call, prompt_tokens: int, stops: Sequence[str], decode,
-                         breakpoint_tokens: int):
-    """The stream of one message (one engine request, one sample), in Anthropic's events."""
+                         breakpoint_tokens: int, blocks: ContentFrames | None = None):
+    """The stream of one message (one engine request, one sample), in Anthropic's events;
+    `blocks` makes the content's frames (default `TextFrames`; a reply read for tool calls:
+    labkit.serve.anthropic_tools.BlockFrames). `message_delta`'s delta carries the invalid
+    calls, if any, as `invalid_tool_uses`, beside `stop_reason` (as the whole message has them)."""
+    blocks = TextFrames() if blocks is None else blocks
     outcome, failure = "cancelled", None
     try:
         start = {"id": call.response_id, "type": "message", "role": "assistant", "content": [],
                  "model": call.model, "stop_reason": None, "stop_sequence": None,
                  "usage": usage(None, prompt_tokens, 0)}
         yield frame("message_start", {"type": "message_start", "message": start})
-        yield frame("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
+        for text in blocks.opening():
+            yield text
         yield PING
         async for item in call.events(call.keepalive_s):
             if item is None:
                 yield PING
             elif item[1].text:
-                yield frame("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                    "delta": {"type": "text_delta", "text": item[1].text}})
-        yield frame("content_block_stop", {"type": "content_block_stop", "index": 0})
+                for text in blocks.add(item[1].text):
+                    yield text
+        for text in blocks.closing():
+            yield text
         output = call.streams[0].output
-        reason, sequence = stop_reason(output.samples[0], stops, decode)
-        yield frame("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        reason, sequence = final_stop(output.samples[0], stops, decode, blocks.called)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        if blocks.invalid:
+            delta["invalid_tool_uses"] = list(blocks.invalid)
+        yield frame("message_delta", {"type": "message_delta", "delta": delta,
                                       "usage": usage(output, prompt_tokens, breakpoint_tokens)})
         yield frame("message_stop", {"type": "message_stop"})
         outcome = "ok"

@@ -28,6 +28,7 @@ from labkit.protocols.tool_use import (CallSplitter, InvalidToolCall, ToolCall, 
                                        forcing_format, gather, render_turns)
 from labkit.serve.errors import APIError, invalid
 from labkit.serve.protocol import ChatCompletionRequest, ChatTurn
+from labkit.serve.tool_requests import invalid_entry
 from labkit.structured.contract import InvalidFormat, ResponseFormat, check_strict
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -150,10 +151,6 @@ def call_entry(call: ToolCall, index: int | None = None) -> dict:
     function = {"name": call.name, "arguments": call.arguments_json}
     entry = {"id": call.id, "type": "function", "function": function}
     return entry if index is None else {"index": index} | entry
-
-
-def invalid_entry(bad: InvalidToolCall) -> dict:
-    return {"id": bad.id, "name": bad.name, "arguments": bad.arguments, "error": bad.error}
 
 
 def finish_reason(reason: str | None, calls: int) -> str | None:

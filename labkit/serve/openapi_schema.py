@@ -20,7 +20,7 @@ from labkit.serve.anthropic_protocol import CountTokensRequest, MessagesRequest
 from labkit.serve.anthropic_routes import COUNT_TOKENS_PATH, MESSAGES_PATH
 from labkit.serve.openai_fields import CHAT_NO_OPS, COMPLETION_NO_OPS
 from labkit.serve.protocol import ChatCompletionRequest, CompletionRequest
-from labkit.serve.responses_openapi import ResponseObject, ResponseStreamEvent
+from labkit.serve.responses_openapi import InvalidToolCallEntry, ResponseObject, ResponseStreamEvent
 from labkit.serve.responses_protocol import RESPONSES_NO_OPS, ResponsesRequest
 from labkit.serve.tokenize_routes import (DETOKENIZE_PATH, TOKENIZE_PATH, DetokenizeRequest,
                                           DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
@@ -92,15 +92,6 @@ class ToolCallEntry(BaseModel):
     id: str
     type: Literal["function"]
     function: CalledFunction
-
-
-class InvalidToolCallEntry(BaseModel):
-    """labkit's extension (labkit/serve/README.md, "Tool calling"): a block that is not a valid call."""
-
-    id: str
-    name: Optional[str]
-    arguments: Optional[str]
-    error: str
 
 
 class AssistantMessage(BaseModel):
@@ -197,6 +188,7 @@ class AnthropicMessage(BaseModel):
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: Optional[str]
     usage: AnthropicUsage
+    invalid_tool_uses: list[InvalidToolCallEntry] = None   # labkit's extension; absent when none
 
 
 class InputTokens(BaseModel):

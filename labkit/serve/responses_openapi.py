@@ -69,6 +69,16 @@ class FunctionCallOutput(Closed):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class InvalidToolCallEntry(Closed):
+    """labkit's extension on every route that reads tool calls (labkit/serve/README.md, "Tool
+    calling"): a block that is not a valid call, never passed on as one."""
+
+    id: str
+    name: Optional[str]
+    arguments: Optional[str]
+    error: str
+
+
 class TextFormatJsonObject(Closed):
     type: Literal["json_object"]
 
@@ -116,6 +126,7 @@ class ResponseObject(Closed):
     usage: ResponseUsage = None   # absent until the answer ends
     user: str = None              # absent unless the request gave one
     metadata: dict[str, str]
+    invalid_function_calls: list[InvalidToolCallEntry] = None   # labkit's; absent when none
 
 
 class ResponseStreamEvent(Closed):

@@ -94,9 +94,11 @@ def responses_router(path: RequestPath) -> APIRouter:
             return call.stream_as(request, writer)
 
         def render(outputs) -> dict:
+            if not reads_calls:
+                return whole_response(work.response_id, call.created, echo, outputs[0])
             sample = outputs[0].samples[0]
-            items = output_items(sample.text, sample.finish_reason, tool_use) if reads_calls else None
-            return whole_response(work.response_id, call.created, echo, outputs[0], items)
+            read = output_items(sample.text, sample.finish_reason, tool_use)
+            return whole_response(work.response_id, call.created, echo, outputs[0], read.items, read.invalid)
 
         return await call.answer(request, render=render)
 

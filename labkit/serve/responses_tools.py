@@ -11,10 +11,16 @@ The reply is read by the core: the answer's `output` is, in the reply's order, a
 for each run of text (a reply with neither text nor calls is one empty message) and one
 `function_call` item per valid call (`id` "fc_...",
 `call_id` "call_...", `name`, `arguments` as JSON text, `status` completed). An invalid call
-is never a `function_call` item: its text stays in the message, as the model wrote it.
-Streamed, the message's events are the plain answer's, and each call is
-`response.output_item.added` (arguments ""), one `response.function_call_arguments.delta`
-with the whole arguments, `.done`, and `response.output_item.done`.
+is never a `function_call` item: its text stays in the message, as the model wrote it, the
+`status` is what it would be for a text reply (`completed`, or `incomplete` at the token
+limit), and the call is listed in labkit's extension `invalid_function_calls`, a top-level
+field of the response: `[{"id": "call_...", "name" (as written, null if unreadable),
+"arguments" (the text as written, null if unreadable), "error" (the reason)}]`, chat's
+`invalid_tool_calls` entry (absent when every call is valid). Streamed, the message's events
+are the plain answer's, and each call is `response.output_item.added` (arguments ""), one
+`response.function_call_arguments.delta` with the whole arguments, `.done`, and
+`response.output_item.done`; the invalid calls are on the last event's `response`
+(`response.completed` or `response.incomplete`; `response.failed` has those read so far).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from labkit.engine.llm_engine import RequestOutput, TokenEvent
 from labkit.protocols.tool_use import (CallSplitter, InvalidToolCall, ToolCall, ToolChoice, ToolResult,
@@ -32,7 +39,7 @@ from labkit.serve.responses_protocol import (FunctionCallItem, FunctionCallOutpu
                                              ParsedResponsesRequest, ToolChoiceFunction)
 from labkit.serve.responses_wire import (EventSequence, message_item, new_message_id, output_text, sse_event,
                                          status_of, usage_of_output)
-from labkit.serve.tool_requests import ToolUse, checked_tool_use
+from labkit.serve.tool_requests import ToolUse, checked_tool_use, invalid_entry
 
 
 def new_item_id() -> str:
@@ -102,13 +109,21 @@ def function_call_item(item_id: str, call: ToolCall, status: str = "completed", 
             "arguments": call.arguments_json if arguments is None else arguments, "status": status}
 
 
-def output_items(text: str, finish_reason: str | None, tool_use: ToolUse | None) -> list[dict]:
-    """A whole answer's output items (see the module's docstring)."""
+class OutputItems(NamedTuple):
+    """A whole reply read for calls: its output items and the invalid calls' entries."""
+
+    items: list[dict]
+    invalid: list[dict]
+
+
+def output_items(text: str, finish_reason: str | None, tool_use: ToolUse | None) -> OutputItems:
+    """A whole answer's output items and invalid calls (see the module's docstring)."""
     status, _ = status_of(finish_reason)
     if tool_use is None or not tool_use.reads_calls:
-        return [message_item(new_message_id(), text, status)]
+        return OutputItems([message_item(new_message_id(), text, status)], [])
     splitter = CallSplitter(tool_use.specs, tool_use.choice.parallel)
     items: list[dict] = []
+    bad_calls: list[dict] = []
     for piece in splitter.feed(text) + splitter.finish():   # in the reply's order, as streamed
         if isinstance(piece, str):
             if items and items[-1]["type"] == "message":
@@ -117,11 +132,13 @@ def output_items(text: str, finish_reason: str | None, tool_use: ToolUse | None)
                 items.append(message_item(new_message_id(), piece, "completed"))
         elif isinstance(piece, ToolCall):
             items.append(function_call_item(new_item_id(), piece))
+        else:   # its text came as text pieces
+            bad_calls.append(invalid_entry(piece))
     if not items:
         items.append(message_item(new_message_id(), "", status))
     if items[-1]["type"] == "message":
         items[-1]["status"] = status   # the last message is the one a token limit cut
-    return items
+    return OutputItems(items, bad_calls)
 
 
 @dataclass
@@ -132,6 +149,7 @@ class ToolStreamWriter:
     sequence: EventSequence
     tool_use: ToolUse
     items: list[dict] = field(default_factory=list)     # the finished output items
+    invalid: list[dict] = field(default_factory=list)   # the invalid calls' entries, so far
     text: str | None = None                             # the open message's text (None: none open)
     splitter: CallSplitter = None
 
@@ -169,6 +187,8 @@ class ToolStreamWriter:
                             name=piece.name, arguments=done["arguments"]),
                     s.event("response.output_item.done", output_index=index, item=done))]
                 self.items.append(done)
+            else:   # an invalid call: its text came as text pieces
+                self.invalid.append(invalid_entry(piece))
         return out
 
     def open_message(self) -> list[str]:
@@ -202,9 +222,9 @@ class ToolStreamWriter:
         out += self.close_message(status)
         final = "response.completed" if status == "completed" else "response.incomplete"
         s = self.sequence
-        return out + [sse_event(s.event(final, response=s.response(status, self.items,
-                                                                   usage=usage_of_output(outputs[0]),
-                                                                   incomplete_reason=reason)))]
+        return out + [sse_event(s.event(final, response=s.response(
+            status, self.items, usage=usage_of_output(outputs[0]), incomplete_reason=reason,
+            invalid_calls=self.invalid)))]
 
     def failure(self, error: APIError) -> list[str]:
         s = self.sequence
@@ -212,7 +232,8 @@ class ToolStreamWriter:
                               if self.text is not None else [])
         return [sse_event(s.event("error", code=error.code, message=error.message, param=None)),
                 sse_event(s.event("response.failed", response=s.response(
-                    "failed", items, error={"code": "server_error", "message": error.message})))]
+                    "failed", items, error={"code": "server_error", "message": error.message},
+                    invalid_calls=self.invalid)))]
 
     def ending(self) -> list[str]:
         return []

@@ -15,6 +15,13 @@ sent as `event: <type>` plus `data: <json>`:
 A failure after the stream began sends `error` (labkit's code and message) and then
 `response.failed`, whose `response.error` has OpenAI's code `server_error`. There is no
 `[DONE]` line: OpenAI's Responses streams end with their last event.
+
+labkit's extension, `invalid_function_calls`: a reply read for function calls
+(labkit.serve.responses_tools) whose blocks are not valid calls lists each, `{"id", "name",
+"arguments", "error"}` (chat's `invalid_tool_calls` entry), as a top-level field of the
+response object (streamed: of the last event's `response`); absent when there are none.
+OpenAI's schema for the response object allows other fields, and the official client keeps it
+(`response.model_extra["invalid_function_calls"]`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from labkit.engine.llm_engine import RequestOutput, TokenEvent
@@ -106,7 +114,9 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
 
 def response_body(response_id: str, created_at: int, echo: Echo, status: str, output: list[dict],
                   usage: dict | None = None, incomplete_reason: str | None = None,
-                  error: dict | None = None) -> dict:
+                  error: dict | None = None, invalid_calls: Sequence[dict] = ()) -> dict:
+    """The response object; `invalid_calls` the reply's invalid function calls (labkit's
+    `invalid_function_calls`, absent when there are none: labkit.serve.responses_tools)."""
     done = status in ("completed", "incomplete", "failed")
     body = {"id": response_id, "object": "response", "created_at": created_at, "status": status,
             "completed_at": int(time.time()) if done else None, "background": False, "error": error,
@@ -123,6 +133,8 @@ def response_body(response_id: str, created_at: int, echo: Echo, status: str, ou
         body["usage"] = usage
     if echo.user is not None:
         body["user"] = echo.user
+    if invalid_calls:
+        body["invalid_function_calls"] = list(invalid_calls)
     return body
 
 
@@ -188,13 +200,14 @@ def usage_of_output(output: RequestOutput) -> dict:
 
 
 def whole_response(response_id: str, created_at: int, echo: Echo, output: RequestOutput,
-                   items: list[dict] | None = None) -> dict:
+                   items: list[dict] | None = None, invalid_calls: Sequence[dict] = ()) -> dict:
     """The answer to a request without `stream`: its one sample as the assistant's message, or
-    the output `items` read from it (labkit.serve.responses_tools)."""
+    the output `items` and invalid calls read from it (labkit.serve.responses_tools)."""
     sample = output.samples[0]
     status, reason = status_of(sample.finish_reason)
     items = [message_item(new_message_id(), sample.text, status)] if items is None else items
-    return response_body(response_id, created_at, echo, status, items, usage_of_output(output), reason)
+    return response_body(response_id, created_at, echo, status, items, usage_of_output(output), reason,
+                         invalid_calls=invalid_calls)
 
 
 @dataclass

@@ -3,6 +3,11 @@ schema is checked by the core (`labkit.protocols.tool_use.check_tools`) and comp
 grammar engine, the choice is checked against the tools, and a forcing choice (required /
 named) gets its grammar compiled, all before any work. The adapters turn `ToolUseError` into
 their own 400, naming their own fields.
+
+Every adapter reports a block that is not a valid call the same way, in an extension field of
+its answer (chat's `invalid_tool_calls`, Anthropic's `invalid_tool_uses`, the Responses API's
+`invalid_function_calls`), one `invalid_entry` per call: `{"id", "name" (as written, null if
+unreadable), "arguments" (the text as written, null if unreadable), "error" (the reason)}`.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from labkit.protocols.tool_use import ToolChoice, ToolSpec, check_choice, check_tools, forcing_format
+from labkit.protocols.tool_use import (InvalidToolCall, ToolChoice, ToolSpec, check_choice, check_tools,
+                                       forcing_format)
 from labkit.structured.contract import ResponseFormat
 
 
@@ -40,3 +46,8 @@ async def checked_tool_use(specs: list[ToolSpec], choice: ToolChoice, tokenizer,
     if forced is not None:
         await asyncio.to_thread(backend.compile, forced)
     return ToolUse(checked, choice, forced)
+
+
+def invalid_entry(bad: InvalidToolCall) -> dict:
+    """An invalid call as every route reports it (LangChain's shape for the same thing)."""
+    return {"id": bad.id, "name": bad.name, "arguments": bad.arguments, "error": bad.error}

@@ -15,6 +15,7 @@ word `i // 32` set when token `i` is allowed (`bitmask_words`, `unpack_bitmask`)
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -191,14 +192,23 @@ class MaskClock:
     # Kept to the last MAX_STEPS (a server runs for ever); `steps_recorded` counts them all, so a
     # caller takes a run's steps as the last (recorded after - recorded before) entries.
     steps: list[tuple[float, int]] = field(default_factory=list)
+    # The same steps split in two, entry for entry: (seconds filling the rows' bitmasks, the
+    # matchers' work; seconds unpacking them into boolean rows, one torch op for the step).
+    # The fill grows with the rows, the unpack barely: apart, they say which one a step pays.
+    step_parts: list[tuple[float, float]] = field(default_factory=list)
     steps_recorded: int = 0
     MAX_STEPS = 100_000
 
-    def record_step(self, seconds: float, rows: int) -> None:
+    def record_step(self, seconds: float, rows: int, fill_seconds: float | None = None) -> None:
+        """A step's mask time and constrained rows; `fill_seconds` of it went to filling
+        (the rest to unpacking). Unsplit (None), both parts are recorded as NaN."""
+        fill = math.nan if fill_seconds is None else fill_seconds
         self.steps.append((seconds, rows))
+        self.step_parts.append((fill, seconds - fill))
         self.steps_recorded += 1
         if len(self.steps) > 2 * self.MAX_STEPS:
             del self.steps[:-self.MAX_STEPS]
+            del self.step_parts[:-self.MAX_STEPS]
 
     @property
     def seconds_per_token(self) -> float | None:

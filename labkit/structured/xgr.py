@@ -1,6 +1,6 @@
 """The xgrammar backend: the cross-check of the llguidance one, and its rival in the bench.
 
-xgrammar (the MLC project's, vLLM's default structured-output backend) compiles a grammar to
+xgrammar (the MLC project's; vLLM's `auto` structured-output setting tries it first) compiles a grammar to
 a pushdown automaton and precomputes, per automaton state, which tokens are decided without
 looking at the stack: compiling costs more, masks can cost less. It is an optional test
 dependency (`pip install --no-deps xgrammar apache-tvm-ffi`: its declared dependencies pull

@@ -51,26 +51,28 @@ class Comparison:
     def separated(self) -> bool:
         return self.verdict != "within the noise"
 
-    def phrase(self) -> str:
+    def phrase(self, fmt: str = "{:.2f}") -> str:
         """`a` against `b` in words that claim no more than the interval: "2.31 times faster
         (95% interval 2.20-2.45)", "slower: 0.80 times the speed (...)", or "no faster beyond
-        the noise (ratio 1.01, 95% interval 0.98-1.04)"."""
-        return self._words(None)
+        the noise (ratio 1.01, 95% interval 0.98-1.04)". `fmt` writes the ratio and its bounds
+        (fewer digits where few samples make more of them false precision)."""
+        return self._words(None, fmt)
 
-    def phrase_than(self, other: str) -> str:
+    def phrase_than(self, other: str, fmt: str = "{:.2f}") -> str:
         """The same claim as :meth:`phrase`, naming what `a` was measured against: "2.31 times
         faster than F.linear (95% interval 2.20-2.45)", "slower than F.linear: 0.80 times its
         speed (...)", or "no faster than F.linear beyond the noise (ratio 1.01, ...)"."""
-        return self._words(other)
+        return self._words(other, fmt)
 
-    def _words(self, other: str | None) -> str:
-        interval = f"{self.confidence:.0%} interval {self.low:.2f}-{self.high:.2f}"
+    def _words(self, other: str | None, fmt: str) -> str:
+        ratio = fmt.format(self.ratio)
+        interval = f"{self.confidence:.0%} interval {fmt.format(self.low)}-{fmt.format(self.high)}"
         than = f" than {other}" if other else ""
         if self.verdict == "faster":
-            return f"{self.ratio:.2f} times faster{than} ({interval})"
+            return f"{ratio} times faster{than} ({interval})"
         if self.verdict == "slower":
-            return f"slower{than}: {self.ratio:.2f} times {'its' if other else 'the'} speed ({interval})"
-        return f"no faster{than} beyond the noise (ratio {self.ratio:.2f}, {interval})"
+            return f"slower{than}: {ratio} times {'its' if other else 'the'} speed ({interval})"
+        return f"no faster{than} beyond the noise (ratio {ratio}, {interval})"
 
     def interval_text(self, fmt: str = "{:.2f}") -> str:
         """'4.07x (3.95-4.21x, 95% interval)'."""
