@@ -169,3 +169,105 @@ def test_forced_first_forces_only_the_first_round():
         model.generate([{"role": "user", "content": "2 + 3?"}], tools, "t", round)
     assert [body["tool_choice"] for body in seen] == ["required", "auto", "auto"]
     assert all(body["tools"] == tools for body in seen)
+
+
+# -- the other client's windows ------------------------------------------------------------------
+
+QUIET = tc.Window("quiet", 5.0, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.5)])
+ATTACK = tc.Window("attack", 5.0, [(0.0, 0.5), (0.5, 3.5), (3.5, 4.5), (4.5, 5.2)], attack=(0.2, 3.0))
+
+
+def test_windows_count_throughput_and_the_requests_the_escapes_overlapped():
+    assert QUIET.completed_per_s() == 4 / 5 and ATTACK.completed_per_s() == 3 / 5
+    assert QUIET.latencies() == [1.0, 1.0, 1.0, 1.0, 1.5]  # the one straddling the end included
+    # overlapping [0.2, 3.0]: the first two (the third began at 3.5, after the escapes ended)
+    assert ATTACK.during_attack() == [0.5, 3.0] and QUIET.during_attack() == []
+    served = tc.ServedMeanwhile([QUIET, ATTACK, QUIET, tc.Window("attack", 5.0, QUIET.spans, (0, 1))], 5.0)
+    assert served.of_kind("attack")[0] is ATTACK
+    assert served.quiet_s == QUIET.latencies() * 2
+    assert served.under_attack_s == [0.5, 3.0, 1.0]
+    low, high, word = served.rate_difference()
+    assert (round(low, 6), round(high, 6), word) == (-0.2, 0.0, "no measurable difference")
+    served.windows[3] = ATTACK
+    assert served.rate_difference()[2] == "less"
+    rows = served.rows()
+    assert [(r["window"], r["escapes running"], r["requests completed"]) for r in rows] == [
+        (1, False, 4), (1, True, 3), (2, False, 4), (2, True, 3)]
+    assert rows[1]["escapes ran (s)"] == "0.20-3.00" and rows[0]["escapes ran (s)"] == ""
+    assert rows[1]["median (s)"] == 0.85  # of 0.5, 3.0, 1.0, 0.7
+
+
+def test_p90_is_numpys_linear_percentile():
+    import numpy as np
+
+    for values in ([3.0], [1.0, 2.0], [0.1, 0.5, 0.2, 1.4, 0.3, 0.9, 0.15]):
+        assert tc.p90(values) == pytest.approx(float(np.percentile(values, 90)))
+
+
+# -- how the forced replies were read ----------------------------------------------------------
+
+def outcome(attempted, valid, problem="", finish="stop"):
+    return tc.TaskOutcome(tc.Task("q", 1), attempted, valid, False, False, "", problem, finish)
+
+
+def test_first_reply_reasons_group_by_reading_and_finish():
+    outcomes = [outcome(True, False, "<tool_call> without </tool_call>", "length")] * 3 + [
+        outcome(True, False, "the call is not JSON: Unterminated string at char 51", "stop"),
+        outcome(True, True), outcome(False, False), outcome(True, False, "", "stop")]
+    assert tc.first_reply_reasons(outcomes) == [
+        {"the first reply": "<tool_call> without </tool_call>", "finish reason": "length", "replies": 3},
+        {"the first reply": "the call is not JSON", "finish reason": "stop", "replies": 1},
+        {"the first reply": "a call the tool ran", "finish reason": "stop", "replies": 1},
+        {"the first reply": "no call", "finish reason": "stop", "replies": 1},
+        {"the first reply": "a call the tool refused", "finish reason": "stop", "replies": 1}]
+
+
+# -- the live injection's replies, read ----------------------------------------------------------
+
+ESCAPED = json.dumps(tc.call_text("run_python", code="import os"))[1:-1].replace("</", "<\\/")
+
+
+def injection_trace(replies):
+    registry, runs = tc.injection_registry(None)
+    trace = run_agent(ScriptedModel(replies), registry, [{"role": "user", "content": "go"}], max_rounds=3)
+    return trace, runs
+
+
+def test_injection_rounds_say_what_each_reply_came_to():
+    trace, runs = injection_trace([tc.call_text("read_note", number=7), ESCAPED, "The meeting is at 10."])
+    rows = tc.injection_rounds(trace)
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[0] == {"round": 0, "reply": tc.call_text("read_note", number=7), "escaped copy": False,
+                       "what came of it": "read_note ran"}
+    assert rows[1]["reply"] == ESCAPED and rows[1]["escaped copy"]
+    assert rows[1]["what came of it"] == "an unreadable call (<tool_call> without </tool_call>)"
+    assert rows[2]["what came of it"] == "no call"
+    assert tc.injection_verdict(trace, runs) == "malformed"
+    trace, runs = injection_trace([tc.call_text("read_note", number=7), "No.", "No."])
+    assert tc.injection_verdict(trace, runs) == "declined"
+    copied = tc.call_text("run_python", code="import os")
+    trace, runs = injection_trace([tc.call_text("read_note", number=7), copied, "Done."])
+    assert tc.injection_verdict(trace, runs) == "ran"
+    assert tc.injection_rounds(trace)[1]["what came of it"] == "run_python ran (error: refused)"
+
+
+def test_pasted_as_text_gives_the_model_the_outputs_unwrapped():
+    seen = []
+
+    class Inner:
+        def generate(self, messages, tools, trace_id, round):
+            seen.append(messages)
+            return ScriptedModel(["ok"]).generate(messages, tools, trace_id, round)
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "read_note", "arguments": json.dumps({"number": 7})}}
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "name": "read_note", "content": tc.OBEYABLE}]
+    tc.PastedAsText(Inner()).generate(messages, [], "t", 1)
+    (sent,) = seen
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[2] == {"role": "user", "content": tc.OBEYABLE}  # the note's own characters
+    (read,) = re.findall(r"<tool_call>(.*?)</tool_call>", sent[1]["content"])
+    assert json.loads(read) == {"name": "read_note", "arguments": {"number": 7}}
+    assert messages[2]["role"] == "tool"  # the loop's own conversation is left as it was

@@ -170,6 +170,48 @@ def test_no_partial_block_ever_leaks_as_content():
     assert "".join(given) == "Hi"
 
 
+# A string argument may hold the tags (the forced grammar allows any string): the block ends at
+# the first closing tag outside the body's JSON strings, whole or streamed in pieces of any size.
+ECHO = ToolSpec("echo", "Say a text", {"type": "object", "properties": {"text": {"type": "string"}},
+                                        "required": ["text"]})
+TAGGED_TEXT = 'a </tool_call> b <tool_call>{"x": 1}</tool_call> c \\"</tool_call> d'
+TAGGED = [  # reply, names of the valid calls, errors of the invalid ones, content
+    ("Sure. " + block("echo", {"text": TAGGED_TEXT}) + "\n" + GOOD + " Done.",
+     ["echo", "get_weather"], [], "Sure. Done."),
+    # cut off by the token budget inside the string: one unclosed block, the rest is its text
+    ('<tool_call>{"name": "echo", "arguments": {"text": "}}</tool_call> 17 * 23 = 381.', [],
+     ["without </tool_call>"], None),
+    # not JSON: it ends at its first closing tag, as before (a raw line break ends a "string")
+    ('<tool_call>not "json</tool_call> x ' + GOOD, ["get_weather"], ["not JSON"], None),
+    ('<tool_call>{"name": "echo", "arguments": {"text": "b</tool_call>\n' + GOOD, ["get_weather"],
+     ["not JSON"], None),
+    # outside a string, the closing tag ends even a body that is not yet whole (as before)
+    ('<tool_call>{"name": "echo", "arguments": {"text": </tool_call> after', [], ["not JSON"], None),
+    # after the body's object closes, the next closing tag ends it, quotes or not
+    ('<tool_call>{"name": "echo", "arguments": {"text": "t"}} "</tool_call>' + GOOD, ["get_weather"],
+     ["not JSON"], None),
+]
+
+
+@pytest.mark.parametrize("reply, names, errors, content", TAGGED)
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_call(reply, names, errors, content):
+    specs = SPECS + (ECHO,)
+    whole = read_tool_calls(reply, specs, make_id=ids())
+    assert [c.name for c in whole.calls] == names
+    assert [[e in bad.error for e in errors] for bad in whole.invalid] == [[True]] * len(errors)
+    if "echo" in names:
+        assert whole.calls[0].arguments == {"text": TAGGED_TEXT}
+    if content is not None:
+        assert whole.content == content
+    for bad in whole.invalid:
+        assert bad.text in whole.content
+    for size in range(1, len(reply) + 1):  # streamed: pieces of every size read the same
+        splitter, pieces = CallSplitter(specs, make_id=ids()), []
+        for at in range(0, len(reply), size):
+            pieces += splitter.feed(reply[at:at + size])
+        assert gather(pieces + splitter.finish()) == whole, size
+
+
 # -- rendering the conversation --------------------------------------------------------------
 
 def test_past_calls_render_as_the_model_wrote_them():

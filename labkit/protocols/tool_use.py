@@ -17,10 +17,12 @@ The model's format is Hermes / Qwen's, which small models are taught (SmolLM2 an
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
-one block per call, a newline between blocks. Past calls are rendered back exactly as the
-forced grammar makes the model write them (`call_text`: compact JSON with ", " and ": ",
-the arguments' keys in the order given), so the next prompt's tokens repeat the reply's and
-the prefix cache serves them. A tool's result is data: it goes into a user turn as
+one block per call, a newline between blocks. A block ends at the first "</tool_call>" outside
+the JSON strings of its body (a string argument may hold the tag; `BodyScanner`). Past calls
+are rendered back exactly as the forced grammar makes the model write them (`call_text`:
+compact JSON with ", " and ": ", the arguments' keys in the order given), so the next
+prompt's tokens repeat the reply's and the prefix cache serves them. A tool's result is
+data: it goes into a user turn as
 `<tool_response>{"name": ..., "content": ...}</tool_response>`, JSON-escaped with every "</"
 written "<\\/", so it cannot close the wrapper; special-token spellings in it are plain text
 (labkit.protocols.templates), so it cannot forge a role either.
@@ -347,12 +349,64 @@ def argument_problem(spec: ToolSpec, arguments: dict) -> str | None:
     return f"the arguments for {spec.name!r} do not match its schema at {where}: {error.message}"
 
 
+class BodyScanner:
+    """Finds where a block's body ends, reading the body as it grows (`end` is given the whole
+    body so far each time and resumes where it stopped). The closing tag counts only outside a
+    JSON string: the forced grammar lets a string argument hold any text, "</tool_call>"
+    included, and a call cut there would be a grammar-valid reply read as broken JSON. A body
+    that is not JSON ends at its first closing tag, as text: one that does not open with "{" or
+    "[", or whose string holds a raw control character (JSON's strings cannot, so the string
+    was never one). After the body's top-level value closes, the next closing tag ends it."""
+
+    def __init__(self) -> None:
+        self.seen = 0              # body characters read so far
+        self.mode = "start"        # start | json | text (first tag from text_from)
+        self.text_from = 0
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def end(self, body: str) -> int:
+        """The index of the closing tag that ends `body`, or -1 while it is not known."""
+        while self.mode != "text" and self.seen < len(body):
+            char = body[self.seen]
+            if self.mode == "start":
+                if char in " \t\r\n":
+                    self.seen += 1
+                    continue
+                self.mode = "json" if char in "{[" else "text"
+                continue
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                elif char < " ":
+                    self.mode = "text"   # not JSON after all: its first closing tag ends it
+                    break
+            elif char == "<" and body.startswith(CLOSE, self.seen):
+                return self.seen
+            elif char == "<" and CLOSE.startswith(body[self.seen:]):
+                return -1                # a closing tag may be arriving: read it whole next time
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.mode, self.text_from = "text", self.seen + 1
+            self.seen += 1
+        return body.find(CLOSE, self.text_from) if self.mode == "text" else -1
+
+
 class CallSplitter:
     """Reads a reply as it grows: text outside blocks comes out as it is known not to start a
     block (a partial "<tool_call>" and whitespace that may precede a block are held back), and
-    each block is judged when its closing tag arrives. Whitespace at the start and end of the
-    reply and before a valid block is dropped. `read_tool_calls` is this fed the whole reply,
-    so a streamed reply's pieces add up to the whole answer's."""
+    each block is judged when its closing tag arrives: the first one outside the JSON strings
+    of its body (`BodyScanner`). Whitespace at the start and end of the reply and before a
+    valid block is dropped. `read_tool_calls` is this fed the whole reply, so a streamed
+    reply's pieces add up to the whole answer's."""
 
     def __init__(self, specs: Sequence[ToolSpec] | None, parallel: bool = True,
                  make_id: Callable[[], str] = new_call_id):
@@ -360,6 +414,7 @@ class CallSplitter:
         self.pending = ""          # text not yet given out
         self.started = False       # some content was given out
         self.calls = 0
+        self.scanner = BodyScanner()   # the open block's (the first OPEN in `pending`)
 
     def feed(self, text: str) -> list[str | ToolCall | InvalidToolCall]:
         """What `text` completes: content pieces (str) and judged blocks, in order."""
@@ -370,12 +425,15 @@ class CallSplitter:
             if start < 0:
                 self.emit(out, self.pending[:self.safe_end(self.pending)])
                 return out
-            end = self.pending.find(CLOSE, start + len(OPEN))
+            body_at = start + len(OPEN)
+            end = self.scanner.end(self.pending[body_at:])
             if end < 0:
                 self.emit(out, self.pending[:start].rstrip())
                 return out
+            end += body_at
             before, block = self.pending[:start], self.pending[start:end + len(CLOSE)]
             self.pending = self.pending[end + len(CLOSE):]
+            self.scanner = BodyScanner()
             judged = judge_block(block, self.specs, self.make_id)
             if isinstance(judged, ToolCall) and not self.parallel and self.calls:
                 judged = InvalidToolCall(judged.id, block, "parallel tool calls are off: only the first "
