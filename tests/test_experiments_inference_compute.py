@@ -230,6 +230,7 @@ def test_budget_forcing_answers_every_cut_row_and_keeps_the_ones_that_answered(m
         (alone,) = ic.sample_answers(engine, [f.problem], n=1, temperature=0.0, max_tokens=4,
                                      prompts=[p + r.texts[0] + ic.FORCE_ANSWER], stop=[ic.QA_STOP])
         assert f.answers == alone.answers and f.answers[0] is not None
+        assert f.texts == [r.texts[0] + ic.FORCE_ANSWER + alone.texts[0]]
         assert f.tokens == [6 + alone.tokens[0]]
     answered = [ic.Sampled(r.problem, [r.answers[0] or 1], r.tokens, r.texts, r.token_ids) for r in cut]
     assert ic.force_answers(engine, answered, prompts) == answered
