@@ -149,3 +149,88 @@ def test_a_smaller_greedy_budget_is_the_first_tokens_of_a_larger_one_and_stops_a
         cut = ic.within_budget(long, budget, model.tokenizer.decode, ic.worked_answer)
         assert [s.token_ids for s in cut] == [s.token_ids for s in alone]
         assert [s.answers for s in cut] == [s.answers for s in alone]
+
+
+def test_every_question_gets_its_own_seed_and_two_base_seeds_do_not_overlap():
+    seeds = ic.question_seeds(0, 200)
+    assert len(set(seeds)) == 200 and seeds == ic.question_seeds(0, 200)
+    assert not set(seeds) & set(ic.question_seeds(1, 200))  # seed + i would overlap in 199 places
+
+
+@pytest.mark.slow
+def test_the_same_prompt_asked_twice_draws_two_independent_samples(model):
+    from labkit.engine import LLMEngine
+
+    engine = LLMEngine(model)
+    (problem,) = ic.addition_problems(1, seed=4)
+    twice = ic.sample_answers(engine, [problem] * 6, n=1, temperature=1.5, max_tokens=4, seed=0)
+    # one shared seed would give six identical texts: the draw depends only on seed and step
+    assert len({s.texts[0] for s in twice}) > 1
+
+
+def test_per_sample_accuracy_scores_each_index_alone():
+    rows = [sampled((1, 2), [3, 4, 3]), sampled((2, 2), [1, 4, 4]), sampled((5, 5), [10, 10, 1, 9])]
+    assert ic.per_sample_accuracy(rows) == pytest.approx([2 / 3, 2 / 3, 2 / 3])
+    rows[0].answers[1] = 3
+    assert ic.per_sample_accuracy(rows) == pytest.approx([2 / 3, 1.0, 2 / 3])
+
+
+def test_the_clustered_interval_widens_when_answers_to_a_question_move_together():
+    # 100 questions of 10 answers each, 30 questions wholly right: really 100 draws, not 1,000
+    hits, totals = [10] * 30 + [0] * 70, [10] * 100
+    low, high = ic.clustered_rate_interval(hits, totals)
+    half = 1.96 * (0.3 * 0.7 / 100) ** 0.5  # the normal interval over 100 independent questions
+    assert (low, high) == pytest.approx((0.3 - half, 0.3 + half), abs=0.02)
+    # one answer per question: the same as the binomial interval over the answers
+    low1, high1 = ic.clustered_rate_interval([1] * 30 + [0] * 70, [1] * 100)
+    assert (low1, high1) == pytest.approx((0.3 - half, 0.3 + half), abs=0.02)
+    with pytest.raises(ValueError):
+        ic.clustered_rate_interval([1], [1, 2])
+
+
+def test_false_accepts_by_question_adds_up_to_the_pooled_count():
+    rows = [sampled((8, 5), [13, 23, 12, None, 3]), sampled((1, 1), [2, 12, 2])]
+    assert ic.false_accepts_by_question(rows, ic.last_digit_verifier) == [(2, 3), (1, 1)]
+
+
+def test_the_first_step_says_whose_digits_a_worked_answer_adds():
+    question = ic.Problem((59, 7), "")
+    assert ic.first_step(question, " 9 + 7 = 16, so the last digit is 6") == "its own digits"
+    assert ic.first_step(question, " 8 + 7 = 15, so the last digit is 8") == "an example's digits"
+    assert ic.first_step(question, " 3 + 4 = 7") == "an example's digits"
+    assert ic.first_step(question, " 5 + 2 = 7") == "other digits"
+    assert ic.first_step(question, " The answer is 66.") == "no digit sum"
+    rows = [sampled((59, 7), [65]), sampled((58, 7), [65]), sampled((1, 2), [27]), sampled((1, 2), [None])]
+    assert ic.copied_answers(rows) == 2  # 65 for 58 + 7 is right, not a copy
+
+
+def test_successive_differences_find_where_a_curve_stops_rising():
+    # the right answer first appears at sample 2 for 40 questions and never for 10 more
+    rows = [sampled((1, 1), [3, 3, 2, 3])] * 40 + [sampled((1, 1), [3, 3, 3, 3])] * 10
+    steps = ic.successive_differences(rows, [1, 2, 4], "best_of_n", ic.exact_verifier)
+    assert [(a, b, d.verdict) for a, b, d in steps] == [(1, 2, "within the noise"), (2, 4, "better")]
+    assert steps[1][2].difference == pytest.approx(0.8)
+    assert ic.last_rise(steps) == (2, 4) and ic.last_rise(steps[:1]) is None
+
+
+@pytest.mark.slow
+def test_budget_forcing_answers_every_cut_row_and_keeps_the_ones_that_answered(model):
+    from labkit.engine import LLMEngine
+
+    engine = LLMEngine(model)
+    problems = ic.addition_problems(3, seed=2)
+    prompts = [ic.worked_prompt(p) for p in problems]
+    run = ic.sample_answers(engine, problems, n=1, temperature=0.0, max_tokens=64, parse=ic.worked_answer,
+                            prompts=prompts, stop=[ic.QA_STOP])
+    cut = ic.within_budget(run, 6, model.tokenizer.decode, ic.worked_answer)
+    assert all(r.answers[0] is None for r in cut)
+    forced = ic.force_answers(engine, cut, prompts)
+    # the reference: one greedy run from each prompt, its cut text and the forcing phrase
+    for p, r, f in zip(prompts, cut, forced):
+        (alone,) = ic.sample_answers(engine, [f.problem], n=1, temperature=0.0, max_tokens=4,
+                                     prompts=[p + r.texts[0] + ic.FORCE_ANSWER], stop=[ic.QA_STOP])
+        assert f.answers == alone.answers and f.answers[0] is not None
+        assert f.texts == [r.texts[0] + ic.FORCE_ANSWER + alone.texts[0]]
+        assert f.tokens == [6 + alone.tokens[0]]
+    answered = [ic.Sampled(r.problem, [r.answers[0] or 1], r.tokens, r.texts, r.token_ids) for r in cut]
+    assert ic.force_answers(engine, answered, prompts) == answered

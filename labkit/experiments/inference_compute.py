@@ -16,12 +16,18 @@ and a program knows the answer. Everything is counted per question, so accuracie
 a Wilson interval and two methods on the same questions with a paired bootstrap of their
 difference (`paired_difference`), never a bare comparison of two percentages.
 
-Two costs are counted: output tokens (what a provider bills) and sequential decode steps (what
-the user waits for): N forked samples of 4 tokens cost 4N tokens but only 4 steps.
+Two costs are counted, not timed: output tokens (what a provider bills) and sequential decode
+steps (a count of the engine steps a question needs before its last sample ends: N forked samples
+of 4 tokens cost 4N tokens but only 4 steps, though a step of many rows costs more than one of one).
+
+Each question gets its own seed (`question_seeds`): the engine's draw depends only on the seed and
+the step, so questions that shared one seed would share their uniforms and their outcomes would not
+be independent, which the intervals assume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -43,6 +49,14 @@ DIRECT_QA_SHOTS = "Q: 23 + 4\nA: The answer is 27.\nQ: 58 + 7\nA: The answer is 
 QA_STOP = "\nQ:"
 INTEGER = re.compile(r"-?\d+")
 ANSWER_IS = re.compile(r"The answer is (-?\d+)")
+# Budget forcing (as in s1): where the budget ran out before an answer, append this and let the
+# model name a number, so that every budget yields an answer.
+FORCE_ANSWER = " The answer is"
+# The digit sums the worked examples spell out first (3 + 4 for 23 + 4, 8 + 7 for 58 + 7) and
+# their answers: a worked answer that starts from these copied the example, not its question.
+SHOT_STEPS = ((3, 4), (8, 7))
+SHOT_ANSWERS = (27, 65)
+DIGIT_SUM = re.compile(r"(\d+) \+ (\d+) =")
 
 
 @dataclass(frozen=True)
@@ -126,11 +140,39 @@ def best_of_n(problem: Problem, answers: Sequence[int | None], verifier: Verifie
     return majority(accepted) if accepted else majority(answers)
 
 
+def false_accepts_by_question(sampled: Sequence["Sampled"], verifier: Verifier) -> list[tuple[int, int]]:
+    """Per question, (its wrong answers the verifier accepts, its wrong answers); answers that
+    are not a number are not counted (a verifier never sees them)."""
+    rows = []
+    for s in sampled:
+        wrong = [a for a in s.answers if a is not None and a != s.problem.answer]
+        rows.append((sum(verifier(s.problem, a) for a in wrong), len(wrong)))
+    return rows
+
+
 def false_accepts(sampled: Sequence["Sampled"], verifier: Verifier) -> tuple[int, int]:
-    """(wrong answers the verifier accepts, wrong answers) over every sample of every question;
-    answers that are not a number are not counted (a verifier never sees them)."""
-    wrong = [(s.problem, a) for s in sampled for a in s.answers if a is not None and a != s.problem.answer]
-    return sum(verifier(problem, a) for problem, a in wrong), len(wrong)
+    """(wrong answers the verifier accepts, wrong answers) over every sample of every question."""
+    rows = false_accepts_by_question(sampled, verifier)
+    return sum(r[0] for r in rows), sum(r[1] for r in rows)
+
+
+# -- what a worked answer did ---------------------------------------------------------------
+def first_step(problem: Problem, text: str) -> str:
+    """Where a worked answer's first digit sum "x + y =" comes from: "its own digits" (the
+    question's last digits), "an example's digits" (`SHOT_STEPS`), "other digits", or "no digit
+    sum". A model that copies the worked examples writes their sums, whatever it is asked."""
+    found = DIGIT_SUM.search(text)
+    if not found:
+        return "no digit sum"
+    step = (int(found.group(1)), int(found.group(2)))
+    if step == (problem.operands[0] % 10, problem.operands[1] % 10):
+        return "its own digits"
+    return "an example's digits" if step in SHOT_STEPS else "other digits"
+
+
+def copied_answers(sampled: Sequence["Sampled"]) -> int:
+    """Answers (sample 0) that are a worked example's answer where the question's is another."""
+    return sum(s.answers[0] in SHOT_ANSWERS and s.answers[0] != s.problem.answer for s in sampled)
 
 
 # -- sampling ------------------------------------------------------------------------------
@@ -151,16 +193,26 @@ def sample_answers(engine, problems: Sequence[Problem], *, n: int, temperature: 
                    prompts: Sequence[str | list[int]] | None = None,
                    stop: Sequence[str] = ()) -> list[Sampled]:
     """`n` samples per question from the engine (one request with `n` samples, so they share
-    the prompt's KV blocks). Temperature 0 gives the greedy answer `n` times over. A sample
-    ends at `max_tokens` or at the first of the `stop` strings."""
+    the prompt's KV blocks), each question with its own seed from `question_seeds(seed, ...)`
+    (the engine gives each of a request's samples its own stream from that seed). Temperature 0
+    gives the greedy answer `n` times over. A sample ends at `max_tokens` or at the first of
+    the `stop` strings."""
     from labkit.sampling import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, stop=tuple(stop))
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=q, stop=tuple(stop))
+              for q in question_seeds(seed, len(problems))]
     outputs = engine.generate(list(prompts) if prompts is not None else [p.prompt for p in problems],
                               params, n=n)
     return [Sampled(p, [parse(s.text) for s in out.samples], [len(s.token_ids) for s in out.samples],
                     [s.text for s in out.samples], [list(s.token_ids) for s in out.samples])
             for p, out in zip(problems, outputs)]
+
+
+def question_seeds(seed: int, count: int) -> list[int]:
+    """`count` seeds, one per question, derived from `seed` by a hash (so two base seeds do not
+    hand out overlapping runs of seeds, as `seed + i` would)."""
+    return [int.from_bytes(hashlib.blake2b(f"{seed}/question {i}".encode(), digest_size=8).digest(), "little")
+            for i in range(count)]
 
 
 def within_budget(greedy: Sequence[Sampled], budget: int, decode: Callable[[list[int]], str],
@@ -176,6 +228,33 @@ def within_budget(greedy: Sequence[Sampled], budget: int, decode: Callable[[list
         texts = [decode(t) for t in ids]
         rows.append(Sampled(s.problem, [parse(t) for t in texts], [len(t) for t in ids], texts, ids))
     return rows
+
+
+def force_answers(engine, rows: Sequence[Sampled], prompts: Sequence[str], *,
+                  answer_tokens: int = 4) -> list[Sampled]:
+    """Budget forcing: each row whose (greedy) answer ran out of budget without "The answer is"
+    is continued greedily from its prompt, its text and `FORCE_ANSWER`, for `answer_tokens`
+    tokens, and the first number there is its answer. Rows that answered are kept as they are.
+    Tokens count what the model generated (its text, then the forced answer's tokens)."""
+    todo = [i for i, r in enumerate(rows) if r.answers[0] is None]
+    if not todo:
+        return list(rows)
+    forced = sample_answers(engine, [rows[i].problem for i in todo], n=1, temperature=0.0,
+                            max_tokens=answer_tokens, prompts=[prompts[i] + rows[i].texts[0] + FORCE_ANSWER
+                                                               for i in todo], stop=[QA_STOP])
+    out = list(rows)
+    for i, f in zip(todo, forced):
+        r = rows[i]
+        out[i] = Sampled(r.problem, f.answers, [r.tokens[0] + f.tokens[0]],
+                         [r.texts[0] + FORCE_ANSWER + f.texts[0]], [r.token_ids[0] + f.token_ids[0]])
+    return out
+
+
+def per_sample_accuracy(sampled: Sequence[Sampled]) -> list[float]:
+    """Accuracy of sample i alone, for each index i: how much one sample's accuracy varies
+    with the draw (each index is a different stream for every question)."""
+    count = min(len(s.answers) for s in sampled)
+    return [sum(s.answers[i] == s.problem.answer for s in sampled) / len(sampled) for i in range(count)]
 
 
 def correct_at(sampled: Sequence[Sampled], n: int, rule: str, verifier: Verifier | None = None) -> list[bool]:
@@ -263,6 +342,36 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool], *, confidence: float
     tail = (1 - confidence) / 2
     low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64))
     return Difference(float(diffs.mean()), float(low), float(high), confidence)
+
+
+def clustered_rate_interval(hits: Sequence[int], totals: Sequence[int], *, confidence: float = 0.95,
+                            resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap over questions of a pooled rate sum(hits) / sum(totals), where
+    question q contributes `hits[q]` of `totals[q]`: answers to one question are not independent,
+    so questions, not answers, are what is resampled."""
+    if len(hits) != len(totals) or not hits or sum(totals) < 1:
+        raise ValueError("clustered_rate_interval needs equally long lists with something counted")
+    h, t = (torch.tensor(list(v), dtype=torch.float64) for v in (hits, totals))
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(h), (resamples, len(h)), generator=generator)
+    rates = h[picks].sum(dim=1) / t[picks].sum(dim=1).clamp(min=1)
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(rates, torch.tensor([tail, 1 - tail], dtype=torch.float64))
+    return float(low), float(high)
+
+
+def successive_differences(sampled: Sequence[Sampled], ns: Sequence[int], rule: str,
+                           verifier: Verifier | None = None) -> list[tuple[int, int, Difference]]:
+    """(N, next N, paired difference of accuracy) for each step along `ns`: where a curve
+    stops rising is the last step whose rise is beyond the noise."""
+    right = {n: correct_at(sampled, n, rule, verifier) for n in ns}
+    return [(a, b, paired_difference(right[a], right[b])) for a, b in zip(ns, ns[1:])]
+
+
+def last_rise(steps: Sequence[tuple[int, int, Difference]]) -> tuple[int, int] | None:
+    """The last (N, next N) step that rose beyond the noise; None if none did."""
+    risen = [(a, b) for a, b, d in steps if d.verdict == "better"]
+    return risen[-1] if risen else None
 
 
 @dataclass(frozen=True)
