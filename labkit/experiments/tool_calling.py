@@ -38,6 +38,7 @@ from labkit.agent.tools import Tool, ToolRegistry, tool_content
 from labkit.experiments.protocol_envelopes import verdict
 from labkit.protocols import tool_use
 from labkit.serve.server import ServerProcess
+from labkit.util.timing import quantile
 
 MODEL = "smollm2-135m"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -208,9 +209,7 @@ class ServedMeanwhile:
 
 def p90(values: Sequence[float]) -> float:
     """The 90th percentile (linear between order statistics; the value itself for one)."""
-    if len(values) < 2:
-        return float(values[0])
-    return statistics.quantiles(values, n=10, method="inclusive")[8]
+    return quantile(values, 0.9)
 
 
 def client_loop(url: str, stop: threading.Event, salt: str) -> list[tuple[float, float]]:
