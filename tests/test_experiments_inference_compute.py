@@ -224,11 +224,13 @@ def test_budget_forcing_answers_every_cut_row_and_keeps_the_ones_that_answered(m
                             prompts=prompts, stop=[ic.QA_STOP])
     cut = ic.within_budget(run, 6, model.tokenizer.decode, ic.worked_answer)
     assert all(r.answers[0] is None for r in cut)
-    forced = ic.force_answers(engine, cut, prompts)
-    # the reference: one greedy run from each prompt, its cut text and the forcing phrase
-    for p, r, f in zip(prompts, cut, forced):
-        (alone,) = ic.sample_answers(engine, [f.problem], n=1, temperature=0.0, max_tokens=4,
-                                     prompts=[p + r.texts[0] + ic.FORCE_ANSWER], stop=[ic.QA_STOP])
+    forced = ic.force_answers(LLMEngine(model), cut, prompts)
+    # the reference: each prompt, its cut text and the forcing phrase, built here and run as one
+    # batch on a fresh engine, as force_answers runs them: one numerical path, so exact equality
+    refs = ic.sample_answers(LLMEngine(model), [r.problem for r in cut], n=1, temperature=0.0, max_tokens=4,
+                             prompts=[p + r.texts[0] + ic.FORCE_ANSWER for p, r in zip(prompts, cut)],
+                             stop=[ic.QA_STOP])
+    for r, f, alone in zip(cut, forced, refs):
         assert f.answers == alone.answers and f.answers[0] is not None
         assert f.texts == [r.texts[0] + ic.FORCE_ANSWER + alone.texts[0]]
         assert f.tokens == [6 + alone.tokens[0]]
