@@ -51,14 +51,19 @@ def test_sigterm_finishes_short_requests_ends_long_ones_and_exits_zero():
 
         def short_request():
             started.wait(60)
-            body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+            # 24 tokens keep it open for tens of steps: a 3-token one could end between two
+            # /health polls on a busy machine, and the drain would then have nothing short to finish
+            body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
             outcome["short"] = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
 
         threads = [threading.Thread(target=long_stream), threading.Thread(target=short_request)]
         for thread in threads:
             thread.start()
         assert started.wait(60)
-        server.wait_until(lambda: server.get("/health").json()["open_requests"] >= 2, timeout=30, interval=0.01)
+        server.wait_until(lambda: server.get("/health").json()["open_requests"] >= 2 or "short" in outcome,
+                          timeout=30, interval=0.01)
+        assert "short" not in outcome, "the short request ended before the test saw it open"
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         server.wait_until(lambda: server.get("/health").status_code == 503, timeout=5, interval=0.02)
