@@ -112,6 +112,19 @@ def test_hermes_parse_matches_transformers_on_any_arrangement(hf_parse, pieces):
     assert comparable(ours) == theirs
 
 
+def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call():
+    # the forced grammar lets a string argument hold any text; transformers' reader (a regex
+    # to the first closing tag) would cut this call into broken JSON, the service's reader
+    # (labkit.protocols.tool_use) reads it whole, and so does this one
+    arguments = {"path": "notes.txt", "text": "a literal </tool_call> tag, then more"}
+    call = json.dumps({"name": "write_file", "arguments": arguments})
+    parsed = parse_reply(f"Saving.\n<tool_call>{call}</tool_call><|im_end|>", HERMES)
+    assert parsed.content == "Saving." and len(parsed.tool_calls) == 1
+    assert json.loads(parsed.tool_calls[0].arguments) == arguments
+    unclosed = parse_reply(f"<tool_call>{call}", HERMES, strict=False)
+    assert unclosed.tool_calls == () and unclosed.unparsed == (f"<tool_call>{call}",)
+
+
 def test_the_turn_ends_at_its_first_end_marker():
     parsed = parse_reply(f"Done.<|im_end|>\n<|im_start|>user\n{CALL}", HERMES)
     assert parsed == ParsedReply("Done.", finished=True)

@@ -31,6 +31,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from labkit.protocols.tool_use import BodyScanner
+
 
 class ReplyParseError(ValueError):
     """The reply claims a structure (a tool call) that it does not have."""
@@ -140,7 +142,9 @@ def parse_reply(text: str, reply_format: ReplyFormat, *, strict: bool = True,
     open_tag, close_tag = reply_format.tool_call_tags
     pieces, calls, unparsed, at = [], [], [], 0
     while (start := body.find(open_tag, at)) >= 0:
-        end = body.find(close_tag, start + len(open_tag))
+        # the closing tag counts only outside the call's JSON strings, as the service reads it
+        end = BodyScanner(close_tag).end(body[start + len(open_tag):])
+        end = end if end < 0 else end + start + len(open_tag)
         block = body[start:] if end < 0 else body[start:end + len(close_tag)]
         try:
             if end < 0:

@@ -358,7 +358,8 @@ class BodyScanner:
     "[", or whose string holds a raw control character (JSON's strings cannot, so the string
     was never one). After the body's top-level value closes, the next closing tag ends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, close: str = CLOSE) -> None:
+        self.close = close
         self.seen = 0              # body characters read so far
         self.mode = "start"        # start | json | text (first tag from text_from)
         self.text_from = 0
@@ -384,9 +385,9 @@ class BodyScanner:
                 elif char < " ":
                     self.mode = "text"   # not JSON after all: its first closing tag ends it
                     break
-            elif char == "<" and body.startswith(CLOSE, self.seen):
+            elif char == "<" and body.startswith(self.close, self.seen):
                 return self.seen
-            elif char == "<" and CLOSE.startswith(body[self.seen:]):
+            elif char == "<" and self.close.startswith(body[self.seen:]):
                 return -1                # a closing tag may be arriving: read it whole next time
             elif char == '"':
                 self.in_string = True
@@ -397,7 +398,7 @@ class BodyScanner:
                 if self.depth == 0:
                     self.mode, self.text_from = "text", self.seen + 1
             self.seen += 1
-        return body.find(CLOSE, self.text_from) if self.mode == "text" else -1
+        return body.find(self.close, self.text_from) if self.mode == "text" else -1
 
 
 class CallSplitter:
