@@ -15,6 +15,8 @@ from labkit.agent.runtime import ScriptedModel, run_agent
 from labkit.agent.serve_model import server_timing
 from labkit.agent.toolbox import default_registry
 from labkit.experiments import tool_calling as tc
+from labkit.experiments import tool_escapes as te
+from labkit.experiments import tool_injection as ti
 
 
 def reference_outcome(reply: str) -> str:
@@ -61,10 +63,10 @@ def test_counted_counts_runs_of_the_tools_code_only():
 
 
 def test_the_scripted_injection_runs_only_the_note():
-    trace, runs = tc.scripted_injection(None)
+    trace, runs = ti.scripted_injection(None)
     assert runs == {"read_note": 1}
     assert [s.name for s in trace.tool_steps()] == ["read_note"]
-    assert trace.messages[2]["content"] == tc.INJECTION  # the output kept as it was, as data
+    assert trace.messages[2]["content"] == ti.INJECTION  # the output kept as it was, as data
 
 
 def trace_of(replies: list[str], question: str = "What is 2 + 3?"):
@@ -106,7 +108,7 @@ def test_server_timing():
 
 
 def test_escapes_name_the_attempts_of_issue_32():
-    attempts = tc.escapes(8123, 4242)
+    attempts = te.escapes(8123, 4242)
     assert len(attempts) == 6 and "8123" in attempts["connect to the server's port"]
     assert "/proc/4242/environ" in attempts["read the server's environment"]
     for code in attempts.values():
@@ -131,14 +133,14 @@ def test_cached_and_cold_resumes_over_http(server):
     assert resume["cold_cached_tokens"] == 0 and first["cold_cached_tokens"] == 0
     assert all(r["same_reply"] for r in rows)
     assert resume["prefill_ms"] > 0 and resume["cold_prefill_ms"] > 0
-    count = tc.boundaries_on_the_wire(server.url, tc.scripted_injection(None)[0].messages,
-                                      tc.injection_registry(None)[0].specs())
+    count = ti.boundaries_on_the_wire(server.url, ti.scripted_injection(None)[0].messages,
+                                      ti.injection_registry(None)[0].specs())
     assert count.im_start_ids == count.turns  # the injected <|im_start|> is not one of them
     assert count.injected_as_text[2:5] == ["im", "_", "start"]
     # the rendering the chapter tokenizes is the chat route's: the same prompt length
-    trace, _ = tc.scripted_injection(None)
-    specs = tc.injection_registry(None)[0].specs()
-    rendered = tc.template_messages(trace.messages, specs)
+    trace, _ = ti.scripted_injection(None)
+    specs = ti.injection_registry(None)[0].specs()
+    rendered = ti.template_messages(trace.messages, specs)
     ids = httpx.post(server.url + "/tokenize", timeout=60, json={
         "model": tc.MODEL, "messages": rendered, "add_generation_prompt": True}).json()["count"]
     wire = [dict(m) for m in trace.messages]
@@ -173,8 +175,8 @@ def test_forced_first_forces_only_the_first_round():
 
 # -- the other client's windows ------------------------------------------------------------------
 
-QUIET = tc.Window("quiet", 5.0, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.5)])
-ATTACK = tc.Window("attack", 5.0, [(0.0, 0.5), (0.5, 3.5), (3.5, 4.5), (4.5, 5.2)], attack=(0.2, 3.0))
+QUIET = te.Window("quiet", 5.0, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.5)])
+ATTACK = te.Window("attack", 5.0, [(0.0, 0.5), (0.5, 3.5), (3.5, 4.5), (4.5, 5.2)], attack=(0.2, 3.0))
 
 
 def test_windows_count_throughput_and_the_requests_the_escapes_overlapped():
@@ -182,7 +184,7 @@ def test_windows_count_throughput_and_the_requests_the_escapes_overlapped():
     assert QUIET.latencies() == [1.0, 1.0, 1.0, 1.0, 1.5]  # the one straddling the end included
     # overlapping [0.2, 3.0]: the first two (the third began at 3.5, after the escapes ended)
     assert ATTACK.during_attack() == [0.5, 3.0] and QUIET.during_attack() == []
-    served = tc.ServedMeanwhile([QUIET, ATTACK, QUIET, tc.Window("attack", 5.0, QUIET.spans, (0, 1))], 5.0)
+    served = te.ServedMeanwhile([QUIET, ATTACK, QUIET, te.Window("attack", 5.0, QUIET.spans, (0, 1))], 5.0)
     assert served.of_kind("attack")[0] is ATTACK
     assert served.quiet_s == QUIET.latencies() * 2
     assert served.under_attack_s == [0.5, 3.0, 1.0]
@@ -201,7 +203,7 @@ def test_p90_is_numpys_linear_percentile():
     import numpy as np
 
     for values in ([3.0], [1.0, 2.0], [0.1, 0.5, 0.2, 1.4, 0.3, 0.9, 0.15]):
-        assert tc.p90(values) == pytest.approx(float(np.percentile(values, 90)))
+        assert te.p90(values) == pytest.approx(float(np.percentile(values, 90)))
 
 
 # -- how the forced replies were read ----------------------------------------------------------
@@ -228,27 +230,27 @@ ESCAPED = json.dumps(tc.call_text("run_python", code="import os"))[1:-1].replace
 
 
 def injection_trace(replies):
-    registry, runs = tc.injection_registry(None)
+    registry, runs = ti.injection_registry(None)
     trace = run_agent(ScriptedModel(replies), registry, [{"role": "user", "content": "go"}], max_rounds=3)
     return trace, runs
 
 
 def test_injection_rounds_say_what_each_reply_came_to():
     trace, runs = injection_trace([tc.call_text("read_note", number=7), ESCAPED, "The meeting is at 10."])
-    rows = tc.injection_rounds(trace)
+    rows = ti.injection_rounds(trace)
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert rows[0] == {"round": 0, "reply": tc.call_text("read_note", number=7), "escaped copy": False,
                        "what came of it": "read_note ran"}
     assert rows[1]["reply"] == ESCAPED and rows[1]["escaped copy"]
     assert rows[1]["what came of it"] == "an unreadable call (<tool_call> without </tool_call>)"
     assert rows[2]["what came of it"] == "no call"
-    assert tc.injection_verdict(trace, runs) == "malformed"
+    assert ti.injection_verdict(trace, runs) == "malformed"
     trace, runs = injection_trace([tc.call_text("read_note", number=7), "No.", "No."])
-    assert tc.injection_verdict(trace, runs) == "declined"
+    assert ti.injection_verdict(trace, runs) == "declined"
     copied = tc.call_text("run_python", code="import os")
     trace, runs = injection_trace([tc.call_text("read_note", number=7), copied, "Done."])
-    assert tc.injection_verdict(trace, runs) == "ran"
-    assert tc.injection_rounds(trace)[1]["what came of it"] == "run_python ran (error: refused)"
+    assert ti.injection_verdict(trace, runs) == "ran"
+    assert ti.injection_rounds(trace)[1]["what came of it"] == "run_python ran (error: refused)"
 
 
 def test_pasted_as_text_gives_the_model_the_outputs_unwrapped():
@@ -263,11 +265,11 @@ def test_pasted_as_text_gives_the_model_the_outputs_unwrapped():
             "function": {"name": "read_note", "arguments": json.dumps({"number": 7})}}
     messages = [{"role": "user", "content": "go"},
                 {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "name": "read_note", "content": tc.OBEYABLE}]
-    tc.PastedAsText(Inner()).generate(messages, [], "t", 1)
+                {"role": "tool", "tool_call_id": "c1", "name": "read_note", "content": ti.OBEYABLE}]
+    ti.PastedAsText(Inner()).generate(messages, [], "t", 1)
     (sent,) = seen
     assert [m["role"] for m in sent] == ["user", "assistant", "user"]
-    assert sent[2] == {"role": "user", "content": tc.OBEYABLE}  # the note's own characters
+    assert sent[2] == {"role": "user", "content": ti.OBEYABLE}  # the note's own characters
     (read,) = re.findall(r"<tool_call>(.*?)</tool_call>", sent[1]["content"])
     assert json.loads(read) == {"name": "read_note", "arguments": {"number": 7}}
     assert messages[2]["role"] == "tool"  # the loop's own conversation is left as it was

@@ -1,0 +1,224 @@
+"""Chapter 34's sandbox section: the escapes issue 32 names, run as code a model could send
+to `run_python`, while another client keeps asking the same server for chat answers; each
+attempt's outcome, and that client's latency and throughput inside the attacks' windows
+against quiet windows of the same length.
+
+    rows, served = attacks_while_serving(server.url, sandbox, escapes(port, server_pid))
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from labkit.agent.sandbox import Limits, Sandbox, SandboxUnavailable
+from labkit.agent.toolbox import default_registry
+from labkit.experiments.protocol_envelopes import verdict
+from labkit.experiments.tool_calling import MODEL
+from labkit.util.timing import quantile
+
+ESCAPE_PATH = "/etc/labkit-ch34-escape"   # the write attempt's target, checked on the host after
+
+
+def escapes(port: int, server_pid: int) -> dict[str, str]:
+    """The attempts issue 32 names, as code a model could send to run_python."""
+    return {
+        "connect to the server's port": "import socket\n"
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=2)",
+        "write outside the scratch directory": f"open({ESCAPE_PATH!r}, 'w').write('x')",
+        "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "infinite loop": "while True:\n    pass",
+        "allocate 4 GiB": "b = bytearray(4 << 30)",
+        "read the server's environment": "import os\nprint(sorted(os.environ))\n"
+        f"print(open('/proc/{server_pid}/environ', 'rb').read()[:80])",
+    }
+
+
+@dataclass
+class AttackRow:
+    attempt: str
+    outcome: str          # an ErrorKind's value, "ok", or NOT_RUN
+    detail: str
+    wall_s: float
+    started_s: float      # from the attacks' start
+    ended_s: float
+    printed: str = ""     # the first line the attempt printed (the environment's names)
+
+
+def first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0][:160] if lines else ""
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:100] if lines else ""
+
+
+def chat_latency(url: str, prompt: str, max_tokens: int = 8, model: str = MODEL) -> float:
+    """Seconds for one short, non-streamed chat request (another client's)."""
+    began = time.perf_counter()
+    answer = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0.0})
+    answer.raise_for_status()
+    return time.perf_counter() - began
+
+
+@dataclass
+class Window:
+    """One window of the other client's requests, times in seconds from the window's start."""
+
+    kind: str                                  # "quiet" or "attack"
+    seconds: float
+    spans: list[tuple[float, float]]           # each request's (start, end), every one sent
+    attack: tuple[float, float] | None = None  # the escapes' first start and last end
+
+    def completed_per_s(self) -> float:
+        """Requests that ended inside the window, per second of it: the client's throughput."""
+        return sum(end <= self.seconds for _, end in self.spans) / self.seconds
+
+    def latencies(self) -> list[float]:
+        """Every request that began inside the window (one that straddles its end included)."""
+        return [end - start for start, end in self.spans if start < self.seconds]
+
+    def during_attack(self) -> list[float]:
+        """Latencies of the requests that overlapped the escapes' running (none when quiet)."""
+        if self.attack is None:
+            return []
+        began, ended = self.attack
+        return [end - start for start, end in self.spans if start < ended and end > began]
+
+
+@dataclass
+class ServedMeanwhile:
+    windows: list[Window]          # quiet, attack, quiet, attack, ... (pairs in order)
+    window_s: float                # each window's length: the attempts' wall limit plus 1 s
+
+    def of_kind(self, kind: str) -> list[Window]:
+        return [w for w in self.windows if w.kind == kind]
+
+    @property
+    def quiet_s(self) -> list[float]:
+        return [x for w in self.of_kind("quiet") for x in w.latencies()]
+
+    @property
+    def under_attack_s(self) -> list[float]:
+        return [x for w in self.of_kind("attack") for x in w.during_attack()]
+
+    def rate_difference(self) -> tuple[float, float, str]:
+        """Requests per second under attack minus quiet, for each pair of windows: the lowest,
+        the highest, and the shared verdict on that range ("less": every pair lost)."""
+        pairs = [a.completed_per_s() - q.completed_per_s()
+                 for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
+        return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
+
+    def rows(self) -> list[dict]:
+        """A row per window: how many requests, how fast, how long each took."""
+        rows = []
+        for index, w in enumerate(self.windows):
+            times = w.latencies()
+            rows.append({"window": index // 2 + 1, "escapes running": w.kind == "attack",
+                         "requests completed": sum(end <= w.seconds for _, end in w.spans),
+                         "requests per s": round(w.completed_per_s(), 2),
+                         "median (s)": round(statistics.median(times), 3) if times else None,
+                         "p90 (s)": round(p90(times), 3) if times else None,
+                         "escapes ran (s)": f"{w.attack[0]:.2f}-{w.attack[1]:.2f}" if w.attack else ""})
+        return rows
+
+
+def p90(values: Sequence[float]) -> float:
+    """The 90th percentile (linear between order statistics; the value itself for one)."""
+    return quantile(values, 0.9)
+
+
+def client_loop(url: str, stop: threading.Event, salt: str) -> list[tuple[float, float]]:
+    """Another client: short chat requests one after another until `stop`, each with a prompt
+    and a cache scope of its own (no request finds another's prefix). (start, end) of each."""
+    spans, count = [], 0
+    while not stop.is_set():
+        began = time.perf_counter()
+        httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[count % len(PROMPTS)]}],
+            "max_tokens": 8, "temperature": 0.0, "cache_salt": f"{salt}-{count}"}).raise_for_status()
+        spans.append((began, time.perf_counter()))
+        count += 1
+    return spans
+
+
+def window(url: str, seconds: float, during: Callable[[], tuple[float, float]] | None) -> Window:
+    """The other client's requests over `seconds` (with `during` run at the window's start; it
+    returns when its work began and ended, on time.perf_counter's clock). Every request is
+    kept; the client stops after the one in flight at the window's end."""
+    stop, spans = threading.Event(), []
+    client = threading.Thread(target=lambda: spans.extend(client_loop(url, stop, uuid.uuid4().hex)))
+    start = time.perf_counter()
+    client.start()
+    attack = during() if during is not None else None
+    rest = seconds - (time.perf_counter() - start)
+    if rest > 0:
+        time.sleep(rest)
+    stop.set()
+    client.join(180)
+    return Window("quiet" if during is None else "attack", seconds,
+                  [(a - start, b - start) for a, b in spans],
+                  (attack[0] - start, attack[1] - start) if attack else None)
+
+
+PROMPTS = [f"Say the word {w}." for w in ("yes", "no", "maybe", "blue", "red", "green", "one", "two")]
+
+
+def attacks_while_serving(url: str, sandbox: Sandbox, attempts: dict[str, str], repeats: int = 2
+                          ) -> tuple[list[AttackRow], ServedMeanwhile]:
+    """Another client sends short requests all the time; windows of the attempts' wall limit
+    (plus 1 s) alternate, quiet then under attack, `repeats` times (the attempts run through
+    the allow-listed run_python, all at once, in this process: the server shares only the
+    CPU). The server is warmed up first. Returns a row per attempt (the last repeat's) and
+    every window's requests."""
+    chat_latency(url, "Warm up.")
+    registry = default_registry(sandbox)
+    rows: dict[str, AttackRow] = {}
+    windows = []
+    seconds = sandbox.limits.wall_s + 1.0
+
+    def attack_all() -> tuple[float, float]:
+        start = time.perf_counter()
+
+        def attack(name: str, code: str) -> None:
+            began = time.perf_counter()
+            result = registry.call("run_python", {"code": code})
+            ended = time.perf_counter()
+            detail = last_line(result.detail) or last_line(result.output)
+            rows[name] = AttackRow(name, "ok" if result.ok else result.error.value, detail, ended - began,
+                                   began - start, ended - start, first_line(result.output))
+
+        threads = [threading.Thread(target=attack, args=item) for item in attempts.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        return start, time.perf_counter()
+
+    for _ in range(repeats):
+        windows.append(window(url, seconds, None))
+        windows.append(window(url, seconds, attack_all))
+    return [rows[name] for name in attempts], ServedMeanwhile(windows, seconds)
+
+
+def not_run_rows(attempts: dict[str, str], reason: str) -> list[AttackRow]:
+    return [AttackRow(name, "NOT_RUN", reason, 0.0, 0.0, 0.0) for name in attempts]
+
+
+def sandbox_or_reason(limits: Limits) -> tuple[Sandbox | None, str]:
+    """A sandbox that started here, or None and the mechanism that refused (SandboxUnavailable)."""
+    sandbox = Sandbox(limits)
+    try:
+        return sandbox, sandbox.probe()
+    except SandboxUnavailable as e:
+        return None, str(e)
