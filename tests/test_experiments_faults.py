@@ -12,6 +12,7 @@ import warnings
 
 import httpx
 import pytest
+from fastapi import Request  # at module level: FastAPI resolves the handler's annotation here
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SMOL_LOGIT_ERROR, NearTieExcused, tied_reference_run
@@ -132,7 +133,33 @@ def test_the_poller_reads_what_httpx_reads():
         first, state, again = fc.run_async(read)
         assert first == again == fc.parse_metrics(httpx.get(server.url + "/metrics").text)
         assert state == (200, {"status": "ok", "worker_pid": 1})
-        assert len(fc.run_async(lambda: fc.poll_round_trips(server.url, 3))) == 3
+
+
+def test_quick_and_slow_polls_alternate_on_their_own_connections():
+    # the server records which connection (client port) asked for each /metrics: the two
+    # kinds of poll must take turns, so that drift over the run falls on both alike
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    from labkit.serve.server import BackgroundServer
+
+    ports = []
+    app = FastAPI()
+
+    @app.get("/metrics")
+    def served(request: Request):
+        ports.append(request.client.port)
+        return Response(METRICS_TEXT, media_type="text/plain")
+    app.get("/health")(lambda: {"status": "ok"})
+    with BackgroundServer(app) as server:
+        quick, slow = fc.run_async(lambda: fc.alternating_poll_round_trips(server.url, 4))
+        assert httpx.get(server.url + "/metrics").status_code == 200   # the route answers, no 422
+    ports.pop()
+    assert len(quick) == len(slow) == 4 and all(t > 0 for t in quick + slow)
+    assert len(set(ports)) == 2 and len(ports) == 8
+    # rounds alternate which goes first: A B, B A, A B, B A
+    a, b = ports[0], ports[1]
+    assert ports == [a, b, b, a, a, b, b, a]
 
 
 def test_run_async_works_inside_a_running_loop():
@@ -262,6 +289,14 @@ def test_a_random_mix_with_a_worker_kill_ends_every_request(service, probe, pool
     assert record.counters["worker_restarts"] == 1 and record.counters["streams_with_chunks_at_kill"] >= 1
     row = fp.mix_summary(0, record)
     assert row["answered"] + row["left"] + row["bad"] + row["failed"] == 12
+    # /health showed the death after the kill; the first half was sent before it, and every
+    # request refused as engine_unavailable was sent after it (the refusal needs a noticed death)
+    assert record.counters["noticed_after_kill_s"] > 0 and row["open at the kill"] >= 3
+    assert set(record.counters["sent"][:6]) == {fp.BEFORE_KILL}
+    assert fp.BEFORE_KILL not in record.counters["sent"][6:]
+    assert all(phase != fp.BEFORE_KILL for o, phase in zip(record.outcomes, record.counters["sent"])
+               if o.code == "engine_unavailable")
+    assert row["of those, accepted"] + row["of those, refused"] == row["well-formed sent after the kill"]
 
 
 def test_mix_summary_counts_how_each_request_ended():
@@ -272,11 +307,55 @@ def test_mix_summary_counts_how_each_request_ended():
     outcomes = [out("stream", "answer"), out("whole", "error", "engine_unavailable"), out("leave", "left"),
                 out("bad", "error", "invalid_json"), out("stream", "error", "engine_died"),
                 out("timeout", "left"), out("whole", "error", "engine_unavailable")]
-    mix = fx.Scenario("random_mix", "x", outcomes, {}, {"worker_restarts": 1, "replays": 2,
-                                                       "streams_with_chunks_at_kill": None})
+    before, early, late = fp.BEFORE_KILL, fp.BEFORE_NOTICED, fp.AFTER_NOTICED
+    # sent after the kill: the whole at 1 (refused), the bad one (not counted), the stream at 4
+    # and the timeout at 5 (accepted: an error other than a refusal is not one, sent before
+    # /health showed the death) and the whole at 6 (refused, after it)
+    sent = [before, early, before, early, early, early, late]
+    mix = fx.Scenario("random_mix", "x", outcomes, {}, {
+        "worker_restarts": 1, "replays": 2, "streams_with_chunks_at_kill": None, "open_at_kill": 3,
+        "noticed_after_kill_s": 0.1234, "sent": sent})
     assert fp.mix_summary(7, mix) == {
         "seed": 7, "requests": 7, "answered": 1, "left": 2, "bad": 1, "failed": 3, "engine_unavailable": 2,
-        "engine_died": 1, "worker restarts": 1, "replays": 2, "streams with chunks at the kill": 0}
+        "engine_died": 1, "worker restarts": 1, "replays": 2, "open at the kill": 3,
+        "streams with chunks at the kill": 0, "noticed after the kill (ms)": 123,
+        "well-formed sent after the kill": 4, "of those, sent before /health said 503": 3,
+        "of those, accepted": 2, "of those, refused": 2}
+
+
+def test_a_request_is_placed_against_the_kill_and_the_noticed_death():
+    assert fp.sent_phase(9.0, 10.0, 10.2) == fp.BEFORE_KILL
+    assert fp.sent_phase(10.0, 10.0, 10.2) == fp.BEFORE_NOTICED
+    assert fp.sent_phase(10.1, 10.0, 10.2) == fp.BEFORE_NOTICED
+    assert fp.sent_phase(10.2, 10.0, 10.2) == fp.AFTER_NOTICED
+    assert fp.sent_phase(10.2, None, None) == fp.BEFORE_KILL      # no kill in the run
+
+
+def test_mix_request_rows_carry_the_send_phase_and_time():
+    outcomes = [fc.Outcome("stream-0", "stream"), fc.Outcome("whole-1", "whole")]
+    mix = fx.Scenario("random_mix", "x", outcomes, {}, {
+        "sent": [fp.BEFORE_KILL, fp.AFTER_NOTICED], "sent_after_kill_s": [-0.5, 0.0123]})
+    rows = fp.mix_request_rows(4, mix)
+    assert [(r["request"], r["seed"], r["sent"], r["sent_after_kill_ms"]) for r in rows] == [
+        ("stream-0", 4, fp.BEFORE_KILL, -500.0), ("whole-1", 4, fp.AFTER_NOTICED, 12.3)]
+
+
+def _sample(t, running, waiting, blocks, steps):
+    return {"t_s": t, "kv_blocks_used": blocks, "running": running, "waiting": waiting,
+            "preemptions": 0, "engine_steps": steps}
+
+
+def test_the_longest_steady_wait_and_the_steps_across_it():
+    trace = [_sample(0.0, 0, 0, 0, 0), _sample(0.1, 4, 2, 30, 5),      # 4/2: 0.1 to 0.2 s, 3 steps
+             _sample(0.2, 4, 2, 31, 8), _sample(0.3, 1, 7, 13, 20),    # 1/7: 0.3 to 0.6 s, no step
+             _sample(0.4, 1, 7, 13, 20), _sample(0.6, 1, 7, 13, 20), _sample(0.7, 8, 0, 60, 21),
+             _sample(0.8, 8, 0, 60, 40), _sample(0.9, 8, 0, 60, 50), _sample(2.0, 8, 0, 61, 80)]
+    assert fx.longest_steady_wait(trace) == {
+        "start_s": 0.3, "end_s": 0.6, "running": 1, "waiting": 7, "blocks_at_start": 13,
+        "blocks_at_end": 13, "engine_steps": 0}
+    # a stretch that runs to the trace's end counts too; none waiting at all: None
+    assert fx.longest_steady_wait(trace[:2] + [_sample(1.5, 4, 2, 40, 90)])["engine_steps"] == 85
+    assert fx.longest_steady_wait([_sample(0.0, 1, 0, 3, 1)]) is None
 
 
 @pytest.mark.slow

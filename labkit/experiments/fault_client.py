@@ -190,16 +190,22 @@ class Poller:
         await self.close()
 
 
-async def poll_round_trips(url: str, polls: int = 20, *, quickack: bool = True) -> list[float]:
-    """Seconds per `/metrics` poll over one kept-alive connection."""
-    out = []
-    async with Poller(url, quickack=quickack) as poller:
-        await poller.get("/health")
-        for _ in range(polls):
-            start = time.perf_counter()
-            await poller.get("/metrics")
-            out.append(time.perf_counter() - start)
-    return out
+async def alternating_poll_round_trips(url: str, polls: int = 20) -> tuple[list[float], list[float]]:
+    """Seconds per `/metrics` poll on two kept-alive connections, one that acknowledges at
+    once (`TCP_QUICKACK`) and one that does not, polled in turn (the one that goes first
+    switches each round), so whatever drifts over the run (the machine's load, the
+    service's state) falls on both alike: (quick, slow), `polls` of each."""
+    quick, slow = [], []
+    async with Poller(url) as acking, Poller(url, quickack=False) as delaying:
+        for poller in (acking, delaying):
+            await poller.get("/health")
+        for round_ in range(polls):
+            pairs = [(acking, quick), (delaying, slow)]
+            for poller, out in pairs if round_ % 2 == 0 else pairs[::-1]:
+                start = time.perf_counter()
+                await poller.get("/metrics")
+                out.append(time.perf_counter() - start)
+    return quick, slow
 
 
 def kill_worker(url: str) -> tuple[int, float]:

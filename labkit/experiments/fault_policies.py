@@ -343,9 +343,12 @@ def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bo
                 marks["open"] = (await poller.health())[1]["open_requests"]
                 marks["pid"], marks["kill"] = fc.kill_worker(url)
                 marks["streamed"] = sum(o.chunks > 0 for o in outcomes[:half])
+                watcher = asyncio.create_task(asyncio.wait_for(until_noticed(poller), 60))
             rest = [asyncio.create_task(one(client, s, o, half + i))
                     for i, (s, o) in enumerate(zip(plan[half:], outcomes[half:]))]
             await asyncio.gather(*first, *rest)
+            if kill:
+                marks["noticed"] = await watcher
 
     fc.run_async(go)
     # a fresh connection: the server may have closed the poller's while the clients ran
@@ -354,10 +357,14 @@ def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bo
     restarts, replays = after["restarts"] - before["restarts"], after["replays"] - before["replays"]
     bad_ok = [(o.status, o.code) == (spec[3][4], spec[3][5]) for spec, o in zip(plan, outcomes) if spec[0] == "bad"]
     good_errors = {o.code for spec, o in zip(plan, outcomes) if spec[0] != "bad" and o.ended == "error"}
+    kill_at, noticed_at = marks.get("kill"), marks.get("noticed")
     counters = {"kinds": {k: sum(s[0] == k for s in plan) for k in MIX_KINDS},
                 "error_codes": sorted(c for c in good_errors if c), "worker_restarts": restarts,
                 "replays": replays, "open_at_kill": marks.get("open"),
-                "streams_with_chunks_at_kill": marks.get("streamed")}
+                "streams_with_chunks_at_kill": marks.get("streamed"),
+                "noticed_after_kill_s": None if noticed_at is None else noticed_at - kill_at,
+                "sent_after_kill_s": [None if kill_at is None else o.sent_at - kill_at for o in outcomes],
+                "sent": [sent_phase(o.sent_at, kill_at, noticed_at) for o in outcomes]}
     return Scenario(
         "random_mix", f"{requests} requests of {len(MIX_KINDS)} kinds, seed {seed}"
                       + (f", worker {marks['pid']} killed among them" if kill else ""),
@@ -371,13 +378,61 @@ def random_mix(url: str, prompts, *, requests: int = 24, seed: int = 0, kill: bo
          "a new worker took over (/health)": (after["worker_pid"] != before["worker_pid"]) == kill})
 
 
+BEFORE_KILL, BEFORE_NOTICED, AFTER_NOTICED = ("before the kill", "after the kill, before /health said 503",
+                                             "after /health said 503")
+
+
+async def until_noticed(poller, interval: float = 0.005) -> float:
+    """Poll `/health` until it stops answering 200 (the front end has seen its worker die and
+    is restarting it); the perf_counter time at which that first non-200 poll was sent. A
+    request sent before then may have reached a front end that still took the worker for
+    alive: it is accepted, passed to the dead worker and, having no token, submitted again
+    to the new one (a replay); one that arrives after is refused with `engine_unavailable`."""
+    while True:
+        asked = time.perf_counter()
+        if (await poller.health())[0] != 200:
+            return asked
+        await asyncio.sleep(interval)
+
+
+def sent_phase(sent_at: float, kill_at: float | None, noticed_at: float | None) -> str:
+    """When a request was sent, on the client's clock, against the kill and the first `/health`
+    poll that showed the front end had noticed the death (:func:`until_noticed`)."""
+    if kill_at is None or sent_at < kill_at:
+        return BEFORE_KILL
+    if noticed_at is None or sent_at < noticed_at:
+        return BEFORE_NOTICED
+    return AFTER_NOTICED
+
+
+def mix_request_rows(seed: int, mix: Scenario, text_chars: int = 30) -> list[dict]:
+    """:meth:`Scenario.rows` of a :func:`random_mix` run, each with its seed, when it was sent
+    (:func:`sent_phase`) and its send time after the kill (ms; negative before it)."""
+    after = mix.counters["sent_after_kill_s"]
+    return [row | {"seed": seed, "sent": phase,
+                   "sent_after_kill_ms": None if t is None else round(1e3 * t, 1)}
+            for row, phase, t in zip(mix.rows(text_chars=text_chars), mix.counters["sent"], after)]
+
+
 def mix_summary(seed: int, mix: Scenario) -> dict:
     """One table row for a :func:`random_mix` run: how its requests ended, why its well-formed
     ones failed, and what `/health` counted (restarts, replays) around the kill."""
     ended = Counter(o.ended for o in mix.outcomes)
     failed = Counter(o.code for o in mix.outcomes if o.kind != "bad" and o.ended == "error")
+    # the well-formed requests sent after the kill: accepted (into the dead worker, then
+    # replayed) or refused, split by whether /health had shown the death when each was sent
+    late = [(o, phase) for o, phase in zip(mix.outcomes, mix.counters["sent"])
+            if o.kind != "bad" and phase != BEFORE_KILL]
+    refused = [phase for o, phase in late if o.code == "engine_unavailable"]
+    noticed = mix.counters["noticed_after_kill_s"]
     return {"seed": seed, "requests": len(mix.outcomes), "answered": ended["answer"], "left": ended["left"],
             "bad": sum(o.kind == "bad" for o in mix.outcomes), "failed": sum(failed.values()),
             "engine_unavailable": failed["engine_unavailable"], "engine_died": failed["engine_died"],
             "worker restarts": mix.counters["worker_restarts"], "replays": mix.counters["replays"],
-            "streams with chunks at the kill": mix.counters["streams_with_chunks_at_kill"] or 0}
+            "open at the kill": mix.counters["open_at_kill"] or 0,
+            "streams with chunks at the kill": mix.counters["streams_with_chunks_at_kill"] or 0,
+            "noticed after the kill (ms)": None if noticed is None else round(1e3 * noticed),
+            "well-formed sent after the kill": len(late),
+            "of those, sent before /health said 503": sum(phase == BEFORE_NOTICED for _, phase in late),
+            "of those, accepted": len(late) - len(refused),
+            "of those, refused": len(refused)}

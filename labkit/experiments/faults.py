@@ -166,8 +166,32 @@ async def _sample_state(poller, url, trace: list, stop: asyncio.Event, every: fl
         m = await poller.metrics()
         trace.append({"t_s": time.perf_counter() - start, "kv_blocks_used": m.get("labkit:kv_blocks_used"),
                       "running": m.get("labkit:num_requests_running"), "waiting": m.get("labkit:num_requests_waiting"),
-                      "preemptions": m.get("labkit:num_preemptions_total")})
+                      "preemptions": m.get("labkit:num_preemptions_total"),
+                      "engine_steps": m.get("labkit:engine_steps_total")})
         await asyncio.sleep(every)
+
+
+def longest_steady_wait(trace: list[dict]) -> dict | None:
+    """The longest stretch of consecutive `trace` samples (:func:`_sample_state`) in which
+    sequences waited and neither the running nor the waiting count changed: its first and
+    last sample's times, those counts, the KV blocks used at both ends, and how far the
+    engine's step counter moved across it. The worker publishes its gauges after each step,
+    so a stretch with no step at all is one step that ran that long, the gauges showing the
+    state from before it; None when no sample had a sequence waiting."""
+    best, start = None, None
+    for i, row in enumerate(trace + [None]):
+        key = None if row is None else (row["running"], row["waiting"])
+        if start is not None and key != (trace[start]["running"], trace[start]["waiting"]):
+            first, last = trace[start], trace[i - 1]
+            if best is None or last["t_s"] - first["t_s"] > best["end_s"] - best["start_s"]:
+                best = {"start_s": first["t_s"], "end_s": last["t_s"], "running": first["running"],
+                        "waiting": first["waiting"], "blocks_at_start": first["kv_blocks_used"],
+                        "blocks_at_end": last["kv_blocks_used"],
+                        "engine_steps": last["engine_steps"] - first["engine_steps"]}
+            start = None
+        if start is None and row is not None and (row["waiting"] or 0) > 0:
+            start = i
+    return best
 
 
 # -- the near-tie rule for answers of two numerical paths ----------------------------------------
