@@ -27,6 +27,19 @@ def test_fit_quadratic_recovers_a_bending_curve_and_refuses_two_lengths():
         cw.fit_quadratic([2.0, 2.0, 5.0], [1.0, 3.0, 4.0])
 
 
+def test_forecast_ttft_charges_the_new_tokens_attention_to_the_cached_prefix():
+    """Worked by hand: a = 30 ms, b = 1.2 ms/token, c = 0.5 us/token^2. 20 new tokens from an
+    empty context: 30 + 24 + 0.2 = 54.2 ms. The same 20 on 1,200 cached tokens:
+    30 + 24 + 0.5e-3 * (1220^2 - 1200^2) = 30 + 24 + 24.2 = 78.2 ms."""
+    fit = (30e-3, 1.2e-3, 0.5e-6)
+    assert cw.forecast_ttft(fit, 20) == pytest.approx(54.2e-3)
+    assert cw.forecast_ttft(fit, 20, cached=1200) == pytest.approx(78.2e-3)
+    # a whole prompt from nothing is the fit itself
+    assert cw.forecast_ttft(fit, 1220) == pytest.approx(30e-3 + 1.2e-3 * 1220 + 0.5e-6 * 1220**2)
+    with pytest.raises(ValueError):
+        cw.forecast_ttft(fit, -1)
+
+
 @pytest.mark.slow
 def test_the_served_cached_tokens_are_what_our_contract_predicts(model):
     with LiveServer("--model", MODEL, "--kv-cache-tokens", "16384") as server:

@@ -99,6 +99,27 @@ def test_an_anthropic_entry_is_readable_only_once_its_writers_response_has_begun
     assert pc.predict(gpt5, [a, b])[1].read == pc.cacheable(gpt5, 1200) == 1152
 
 
+def test_requests_sent_together_all_write_when_a_miss_starts_its_response_late():
+    """Worked by hand: four conversations 0.1 s apart share a 1,200-token system prompt; a send
+    that reads something begins its response 0.08 s after arrival, one that reads nothing after
+    2 s (it computes all 1,230 tokens). A's entry is readable from 2.0 s, B's (a miss) from 2.1 s,
+    C's from 2.2 s: B, C and D all arrive before 0.4 s and each writes its whole prompt. D at
+    2.5 s would read. The old rule (every response at its warm start) let C read B's entry from
+    0.18 s."""
+    system = tuple(range(1200))
+    sends = [pc.CacheRequest(system + (k,) * 30, arrival_s=0.1 * k, breakpoints=(1200, 1230),
+                             response_start_s=0.08, cold_response_start_s=2.0) for k in range(4)]
+    billed = pc.predict(ANTHROPIC, sends)
+    assert billed == [pc.Billed(read=0, written=1230, ordinary=0)] * 4
+    late = dataclasses.replace(sends[3], arrival_s=2.5)
+    assert pc.predict(ANTHROPIC, sends[:3] + [late])[3] == pc.Billed(read=1200, written=30, ordinary=0)
+    paid = 4 * 1230 * 1.25 / (4 * 1230)
+    assert pc.relative_cost(ANTHROPIC, billed) == pytest.approx(paid)
+    # a request without a cold start of its own keeps its one start, whether it reads or not
+    assert pc.CacheRequest((1,), response_start_s=0.3).response_start(0) == 0.3
+    assert sends[0].response_start(1200) == 0.08 and sends[0].response_start(0) == 2.0
+
+
 def test_breakpoints_past_the_maximum_or_outside_the_prompt_are_refused_and_none_caches_nothing():
     prompt = tuple(range(3000))
     with pytest.raises(ValueError, match="allows 4 breakpoints"):
@@ -123,6 +144,26 @@ def test_every_provider_figure_comes_from_the_documented_table():
     assert ANTHROPIC.readable_after_response_start and not gpt5.readable_after_response_start
     assert ANTHROPIC.max_breakpoints == 4 and OPENAI.max_breakpoints is None
     assert all(row.page.startswith("https://") and row.consulted == pc.CONSULTED for row in pc.DOCUMENTED)
+
+
+def test_the_openai_retention_rows_say_what_the_installed_clients_reference_says():
+    """The 24h and minimum-ttl rows quote OpenAI's API reference as the `openai` client ships it;
+    read it from the installed client's source (a changed text means the rows must be re-read)."""
+    import inspect
+
+    import openai
+    from openai.types.chat import completion_create_params as params
+
+    text = " ".join(inspect.getsource(params).split())
+    assert "Deprecated. Use `prompt_cache_options.ttl` instead." in text
+    assert "up to a maximum of 24 hours" in text and "expresses a maximum retention policy" in text
+    assert "Organizations without ZDR enabled default to `24h`" in text
+    assert "The `ttl` defaults to `30m`" in text and "Supported for `gpt-5.6` and later" in text
+    rows = {row.figure: row for row in pc.DOCUMENTED if row.contract == "openai"}
+    assert rows["ttl_extended_seconds"].value == 24 * 3600.0
+    assert "deprecated" in rows["ttl_extended_seconds"].statement
+    assert rows["minimum ttl note (gpt-5.6 and later)"].value == 30 * 60.0
+    assert openai.__version__ == pc.OPENAI_REFERENCE_CLIENT
 
 
 def test_usage_fields_are_what_the_official_clients_parse():

@@ -220,3 +220,20 @@ def fit_quadratic(xs: list[float], ys: list[float]) -> tuple[float, float, float
     design = np.stack([np.ones_like(x), x, x * x], axis=1) / y[:, None]
     (a, b, c), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
     return float(a), float(b), float(c)
+
+
+def forecast_ttft(fit: tuple[float, float, float], computed: int, cached: int = 0) -> float:
+    """Time to first token that a quadratic `fit` (a, b, c of `fit_quadratic`, over whole
+    prompts computed from nothing) forecasts for `computed` new tokens on top of `cached` tokens
+    already in the cache: the fixed cost a plus the fit's token cost of the whole prompt less
+    that of the cached part, f(cached + computed) - f(cached) with f(x) = b x + c x^2. The
+    quadratic term is the attention of each new token to every token before it, so the new
+    tokens pay for the cached prefix too; `cached=0` is the forecast from an empty context."""
+    if computed < 0 or cached < 0:
+        raise ValueError("token counts cannot be negative")
+    a, b, c = fit
+
+    def tokens_cost(x: int) -> float:
+        return b * x + c * x * x
+
+    return a + tokens_cost(cached + computed) - tokens_cost(cached)

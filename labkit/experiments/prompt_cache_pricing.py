@@ -44,7 +44,9 @@ ANTHROPIC_PAGE = "https://platform.claude.com/en/docs/build-with-claude/prompt-c
 OPENAI_PAGE = "https://openai.com/index/api-prompt-caching/"
 OPENAI_GUIDE = "https://platform.openai.com/docs/guides/prompt-caching"
 OPENAI_PRICING = "https://platform.openai.com/docs/pricing"
-# OpenAI's API reference for `prompt_cache_retention`, as the official `openai` client (3.57.0) ships it
+# OpenAI's API reference for `prompt_cache_retention` and `prompt_cache_options`, as the official
+# `openai` client of this version ships it (openai/types/chat/completion_create_params.py)
+OPENAI_REFERENCE_CLIENT = "3.57.0"
 OPENAI_REFERENCE = "https://platform.openai.com/docs/api-reference/chat/create#prompt_cache_retention"
 
 # Every provider figure the calculator uses, and the notes it does not, in one table (the
@@ -92,8 +94,14 @@ DOCUMENTED = (
     DocumentedFigure("openai", "ttl_seconds", 300.0, "in memory: cleared after 5 to 10 minutes without use "
                      "(at most an hour off-peak): the calculator takes the shorter", OPENAI_GUIDE),
     DocumentedFigure("openai", "ttl_extended_seconds", 86400.0, "prompt_cache_retention 24h keeps prefixes "
-                     "up to 24 hours; the default for organizations without zero data retention, on the "
-                     "models that offer it: the calculator's best case", OPENAI_REFERENCE),
+                     "up to a maximum of 24 hours (a maximum, not a minimum); on models that offer both "
+                     "in_memory and 24h, the default without zero data retention (ZDR), in_memory the "
+                     "default with ZDR; gpt-5.5 and later offer 24h only. The field is deprecated in "
+                     "favour of prompt_cache_options.ttl", OPENAI_REFERENCE),
+    DocumentedFigure("openai", "minimum ttl note (gpt-5.6 and later)", 1800.0, "prompt_cache_options.ttl "
+                     "(gpt-5.6 and later) sets a minimum lifetime, 30m its default and only value (seconds "
+                     "here); independent of prompt_cache_retention: not modelled (no GPT-5.6 row)",
+                     OPENAI_REFERENCE),
     DocumentedFigure("openai", "routing note", "prompt_cache_key; about 15 requests per minute",
                      "requests are routed by prefix and prompt_cache_key; above about 15 requests a minute "
                      "for one prefix and key some go to other machines and miss: not modelled (the "
@@ -152,8 +160,8 @@ PROVIDER_CONTRACTS = {
     for name, page in [("anthropic, 5-minute", ANTHROPIC_PAGE), ("anthropic, 1-hour", ANTHROPIC_PAGE),
                        ("openai, GPT-5", OPENAI_PRICING), ("openai (launch, GPT-4o)", OPENAI_PAGE)]
 }
-# The GPT-5 models' cache kept for the documented 24 hours (extended retention): a best case, since
-# 24 hours is a maximum, not a promise.
+# The GPT-5 models' cache kept for the documented 24 hours (extended retention, the default for an
+# organization without ZDR): a best case, since 24 hours is a maximum, not a promise.
 OPENAI_BEST_CASE = _provider_contract("openai, GPT-5, 24-hour retention", OPENAI_REFERENCE,
                                       ttl_seconds=documented("openai", "ttl_extended_seconds"))
 
@@ -170,13 +178,22 @@ class CacheRequest:
     sequence (a later turn's prompt may start with them), when it arrived, and where the
     client's cache breakpoints end (token counts, at most the contract's maximum; none: the
     request marks nothing), and how long after its arrival its response began (where the
-    contract makes an entry readable only from then)."""
+    contract makes an entry readable only from then): `response_start_s` when it reads from
+    the cache, `cold_response_start_s` when it reads nothing and computes the whole prompt
+    (None: the same as `response_start_s`), since a request that misses starts later."""
 
     prompt: tuple[int, ...]
     reply: tuple[int, ...] = ()
     arrival_s: float = 0.0
     breakpoints: tuple[int, ...] = ()
     response_start_s: float = 0.0
+    cold_response_start_s: float | None = None
+
+    def response_start(self, read: int) -> float:
+        """How long after arrival its response begins, given the tokens it read from the cache."""
+        if read or self.cold_response_start_s is None:
+            return self.response_start_s
+        return self.cold_response_start_s
 
 
 @dataclass(frozen=True)
@@ -238,7 +255,9 @@ def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list
     request's breakpoints past what it read, billing as written every token from the read to
     the last of them. A request without a breakpoint neither reads nor writes. Where the contract
     says so (`readable_after_response_start`), an entry can be read only from the moment the
-    response of the request that wrote it began (`response_start_s` after its arrival)."""
+    response of the request that wrote it began (`response_start(read)` after its arrival: a
+    request that read nothing computed its whole prompt, so its response begins at its cold
+    start, and requests arriving before then find no entry and write their own)."""
     entries: list[tuple[tuple[int, ...], float, float]] = []  # tokens, last used, readable from
     billed = []
     for request in requests:
@@ -262,7 +281,7 @@ def predict(contract: CachingContract, requests: Sequence[CacheRequest]) -> list
                 read, hit = shared, index
         if hit is not None:
             live[hit] = (live[hit][0], now, live[hit][2])  # a hit refreshes the entry's time to live
-        ready = now + request.response_start_s if contract.readable_after_response_start else now
+        ready = now + request.response_start(read) if contract.readable_after_response_start else now
         written = 0
         if contract.automatic:
             live.append((prompt + request.reply if contract.caches_reply else prompt, now, ready))
