@@ -5,8 +5,9 @@ Every request, constrained or not, gets the same prompt: an instruction to answe
 JSON value that validates against the schema, and the schema itself. The only difference
 is the mask (`SamplingParams.response_format`, llguidance in labkit's engine). An output is
 read two ways: *strict* (the whole reply, stripped, is one JSON value: what a program that
-calls `json.loads` on it gets) and *lenient* (the first JSON value found anywhere in the
-reply, code fences and chatter skipped: the most a careful client could recover). It is
+calls `json.loads` on it gets) and *lenient* (the first `{` or `[` in the reply, inner ones
+included, at which an object or array parses: what a client that hunts for JSON in chatter and
+code fences recovers; a string or number alone is never found this way). It is
 *valid* when that value validates against the schema (`jsonschema`, formats checked).
 """
 
@@ -51,17 +52,46 @@ def strict_value(text: str):
         return False, None
 
 
-def lenient_value(text: str):
-    """(True, value) for the first JSON object or array anywhere in the text (what a client
-    that hunts for JSON in chatter or code fences recovers); (False, None) if there is none."""
+def lenient_hit(text: str):
+    """(found, value, inner): the hunt for JSON in a reply. It tries every `{` or `[` from left
+    to right, inner ones included, and takes the first at which an object or array parses (a
+    string or number alone is never taken). `inner` is True when an earlier `{` or `[` did not
+    parse: the value found is then a piece inside text that is not JSON, not the reply's value."""
     decoder = json.JSONDecoder()
+    failed = False
     for start, char in enumerate(text):
         if char in "{[":
             try:
-                return True, decoder.raw_decode(text, start)[0]
+                return True, decoder.raw_decode(text, start)[0], failed
             except ValueError:
-                continue
-    return False, None
+                failed = True
+    return False, None, False
+
+
+def lenient_value(text: str):
+    """(True, value) for the first `{` or `[` in the text at which an object or array parses
+    (`lenient_hit`: what a client that hunts for JSON in chatter or code fences recovers);
+    (False, None) if there is none."""
+    found, value, _ = lenient_hit(text)
+    return found, value
+
+
+# The JSON Schema keywords that name a schema's structure. A reply object holding one that the
+# schema does not declare as a property is a piece of a schema (the prompt's, echoed), not a value.
+SCHEMA_KEYWORDS = frozenset({"$schema", "$ref", "$defs", "definitions", "type", "properties",
+                             "additionalProperties", "patternProperties", "required", "items",
+                             "anyOf", "oneOf", "allOf", "enum"})
+
+
+def schema_echo(value, schema: dict) -> bool:
+    """True when `value` is an object with a JSON Schema structure keyword among its keys that
+    `schema` does not declare as one of its own properties: the model wrote out a schema (in
+    practice, pieces of the one in its prompt), and it can validate only because the schema
+    allows unknown properties."""
+    if not isinstance(value, dict):
+        return False
+    declared = set(schema.get("properties", {})) if isinstance(schema, dict) else set()
+    return any(key in SCHEMA_KEYWORDS and key not in declared for key in value)
 
 
 def repair_text(text: str) -> str | None:
@@ -139,7 +169,7 @@ class Attempt:
     token_ids: tuple[int, ...]
     finish: str
     strict_valid: bool     # the whole reply is JSON and validates
-    lenient_valid: bool    # the first JSON value in the reply validates
+    lenient_valid: bool    # the first object or array the hunt finds (`lenient_hit`) validates
     draw: int = 0          # which of a schema's requests in its arm this is (0, 1, ...)
 
 
@@ -225,10 +255,27 @@ def validity_rows(attempts: Sequence[Attempt], label: str = "") -> list[dict]:
         rows.append({"model": label, "mask": "schema" if constrained else "none",
                      "temperature": temperature, "replies": n,
                      "valid, whole reply": strict, "share valid": strict / n, "low": low, "high": high,
-                     "valid, first JSON in reply": lenient,
+                     "valid, first object or array found": lenient,
                      "stopped": sum(a.finish == "stop" for a in group),
                      "cut at max_tokens": sum(a.finish == "length" for a in group),
                      "stopped but invalid": sum(a.finish == "stop" and not a.strict_valid for a in group)})
+    return rows
+
+
+def by_source(attempts: Sequence[Attempt], benchmark_names: set[str]) -> list[dict]:
+    """Per source of schema (written for labkit, or JSONSchemaBench's `benchmark_names`) and arm:
+    replies, valid (whole reply), and not valid because cut at max_tokens."""
+    rows = []
+    for source, ours in (("written for labkit", True), ("JSONSchemaBench", False)):
+        for constrained, label in ((False, "no mask"), (True, "schema mask")):
+            group = [a for a in attempts if a.constrained == constrained
+                     and (a.schema not in benchmark_names) == ours]
+            if not group:
+                continue
+            rows.append({"schemas from": source, "mask": label, "replies": len(group),
+                         "valid": sum(a.strict_valid for a in group),
+                         "not valid, cut at max_tokens": sum(not a.strict_valid and a.finish == "length"
+                                                             for a in group)})
     return rows
 
 
