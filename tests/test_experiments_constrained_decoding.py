@@ -447,3 +447,26 @@ def test_long_schema_replies_are_sampled_apart_and_stay_in_the_schema(model, lib
     assert len({tuple(r) for r in replies}) == 3  # own seeds: three different streams
     grammar = library.compile(ResponseFormat.json_schema(LONG_SCHEMA))
     assert all(gc.refuses_at(grammar, r) is None for r in replies)
+
+
+def test_a_prefilled_reply_is_read_with_its_prefill_and_repairs_are_counted_apart():
+    class EchoTokenizer(PlainTokenizer):
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    # the model writes the rest of an object once "{" is given; one reply is cut short
+    script = {(False, 7): ('"name": "A", "age": 3, "vegan": true}', 9),
+              (False, 8): ('"name": "B", "age": 4, "vegan": false', 8, "length"),
+              (False, 9): ('"type": "object", "properties": {', 8, "length")}
+    engine = ScriptedEngine(script)
+    loose = {"type": "object"}
+    schemas = {"person": PERSON, "other": PERSON, "loose": loose}
+    got = cd.validity_run(engine, EchoTokenizer(), schemas, temperature=1.0, max_tokens=8,
+                          first_seed=7, arms=(False,), prefill="{")
+    prompt = cd.schema_prompt(EchoTokenizer(), PERSON)
+    assert cd.schema_prompt(EchoTokenizer(), PERSON, prefill="{") == [*prompt, ord("{")]
+    assert [a.text[0] for a in got] == ["{"] * 3 and got[0].strict_valid
+    assert len(got[0].token_ids) == 9  # the prefill is the prompt's, not an output token
+    counts = cd.repair_counts(got, schemas)
+    assert counts == {"replies": 3, "valid as written": 1, "made valid by the repair": 2,
+                      "of those, echoes of the schema": 1, "cut at max_tokens": 2}

@@ -28,14 +28,19 @@ from labkit.structured import ResponseFormat
 INSTRUCTION = "Reply with one JSON value that validates against this JSON Schema, and nothing else."
 
 
-def schema_prompt(tokenizer, schema: dict, task: str | None = None, chat: bool | None = None) -> list[int]:
+def schema_prompt(tokenizer, schema: dict, task: str | None = None, chat: bool | None = None,
+                  prefill: str = "") -> list[int]:
     """The prompt both kinds of request get: the task (if any), the instruction, the schema.
     As a user turn of the chat template (`chat`; by default where the tokenizer has one), or
-    for a base model as plain text ending 'JSON:'."""
+    for a base model as plain text ending 'JSON:'. With `prefill` (say "{"), the reply is
+    started for the model: the prefill's tokens follow the prompt, and the reply is read as
+    the prefill plus what the model writes."""
     text = (f"{task}\n" if task else "") + f"{INSTRUCTION}\nSchema: {json.dumps(schema)}"
     if chat if chat is not None else bool(tokenizer.chat_template):
-        return tokenizer.encode_chat([{"role": "user", "content": text}])
-    return tokenizer.encode(f"{text}\nJSON:")
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+    else:
+        ids = tokenizer.encode(f"{text}\nJSON:")
+    return ids + (tokenizer.encode(prefill) if prefill else [])
 
 
 def validator(schema: dict):
@@ -185,35 +190,35 @@ def judge(name: str, schema: dict, constrained: bool, params: SamplingParams, te
 
 
 def generate_attempts(engine, tokenizer, jobs: Sequence[tuple], *, temperature: float,
-                      max_tokens: int, chat: bool | None = None) -> list[Attempt]:
+                      max_tokens: int, chat: bool | None = None, prefill: str = "") -> list[Attempt]:
     """One engine batch of (schema name, schema, constrained, seed[, draw]) jobs, each
-    prompted with `schema_prompt`."""
+    prompted with `schema_prompt` (and `prefill`, judged as the start of the reply)."""
     params, batch = [], []
     for name, schema, constrained, seed, *_ in jobs:
         fmt = ResponseFormat.json_schema(schema) if constrained else None
         params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                      response_format=fmt))
-        batch.append(schema_prompt(tokenizer, schema, chat=chat))
+        batch.append(schema_prompt(tokenizer, schema, chat=chat, prefill=prefill))
     outs = engine.generate(batch, params)
-    return [judge(job[0], job[1], job[2], p, o.samples[0].text, o.samples[0].token_ids,
+    return [judge(job[0], job[1], job[2], p, prefill + o.samples[0].text, o.samples[0].token_ids,
                   o.samples[0].finish_reason, job[4] if len(job) > 4 else 0)
             for job, p, o in zip(jobs, params, outs)]
 
 
 def validity_run(engine, tokenizer, schemas: dict[str, dict], draws: int = 1, *, temperature: float,
                  max_tokens: int, first_seed: int = 0, arms: Sequence[bool] = (False, True),
-                 chat: bool | None = None) -> list[Attempt]:
+                 chat: bool | None = None, prefill: str = "") -> list[Attempt]:
     """Every schema `draws` times in each arm (False: free, True: under the mask), in one
     batch. Every request gets its own seed (first_seed, first_seed + 1, ...): a step's draw
     depends only on (seed, step), so requests that shared a seed would share one random
-    stream and not be independent samples."""
+    stream and not be independent samples. `prefill` starts every reply (`schema_prompt`)."""
     jobs: list[tuple] = []
     for constrained in arms:
         for name, schema in schemas.items():
             for draw in range(draws):
                 jobs.append((name, schema, constrained, first_seed + len(jobs), draw))
     return generate_attempts(engine, tokenizer, jobs, temperature=temperature, max_tokens=max_tokens,
-                             chat=chat)
+                             chat=chat, prefill=prefill)
 
 
 def paired_outcomes(attempts: Sequence[Attempt]) -> tuple[list[bool], list[bool]]:
@@ -305,6 +310,21 @@ class Repaired:
     valid: bool
     tokens: int
     generations: int
+
+
+def repair_counts(attempts: Sequence[Attempt], schemas: dict[str, dict]) -> dict:
+    """Over free replies: valid as written, made valid by `repair_text`, and how many of those
+    are echoes of the schema (`schema_echo`), not answers; with the replies cut at max_tokens."""
+    free = [a for a in attempts if not a.constrained]
+    echoed = []  # per reply the repair made valid: is it an echo of the schema?
+    for a in free:
+        if not a.strict_valid:
+            _, ok, value = repaired_value(a.text, schemas[a.schema])
+            if ok:
+                echoed.append(schema_echo(value, schemas[a.schema]))
+    return {"replies": len(free), "valid as written": sum(a.strict_valid for a in free),
+            "made valid by the repair": len(echoed), "of those, echoes of the schema": sum(echoed),
+            "cut at max_tokens": sum(a.finish == "length" for a in free)}
 
 
 def repair_run(engine, tokenizer, schemas: dict[str, dict], plain: Sequence[Attempt],
