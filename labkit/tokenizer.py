@@ -544,7 +544,8 @@ class Tokenizer:
         if not self.meta.chat_template:
             # The message reaches API clients: the file's name, not where it lives on the server.
             source = Path(self.meta.source).name if self.meta.source else "this tokenizer"
-            raise ValueError(f"{source} has no chat template; send a plain prompt instead")
+            raise ValueError(f"{source} has no chat template; send a plain prompt instead "
+                             "(a server can be given one: labkit serve --chat-template)")
         checked = self._check_messages(messages)
         if self._template is None:
             from labkit.protocols.templates import compile_chat_template

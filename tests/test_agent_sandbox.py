@@ -197,6 +197,71 @@ def test_the_tool_runs_without_privileges(sandbox):
         assert status["Seccomp"].strip() == "2"
 
 
+PRIORITY_PROBE = """import os, time
+print(os.sched_getscheduler(0), os.nice(0))
+for name, climb in (("nice", lambda: os.nice(-1)),
+                    ("policy", lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0)))):
+    try:
+        climb()
+        print(name, "raised")
+    except PermissionError:
+        print(name, "refused")
+time.sleep(3)  # {token}: the host finds this process by it
+"""
+
+
+def stat_of_process_with(token: str, within_s: float = 15.0) -> list[str] | None:
+    """/proc/PID/stat's fields (from the state on) of the live process whose argv holds `token`."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        for name in os.listdir("/proc"):
+            try:
+                if name.isdigit() and token.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+                    if fields[0] != "Z":
+                        return fields
+            except OSError:
+                continue
+        time.sleep(0.05)
+    return None
+
+
+def test_the_tool_runs_at_the_lowest_cpu_priority_and_cannot_leave_it(sandbox):
+    """nice 19 and SCHED_IDLE, read inside the tool and from the host's /proc/PID/stat (field 19
+    nice, field 41 policy), with the launcher's account; raising them back is refused even where
+    the host's RLIMIT_NICE would allow it (raised here for the launcher where this test may)."""
+    import resource
+    import threading
+
+    token = f"priority-probe-{os.getpid()}-{time.monotonic_ns()}"
+    before = resource.getrlimit(resource.RLIMIT_NICE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NICE, (40, 40))  # root only: nice -20 allowed
+    except (ValueError, OSError):
+        pass
+    try:
+        box = Sandbox(LIMITS)
+        done = {}
+        runner = threading.Thread(target=lambda: done.update(result=box.run_python(
+            PRIORITY_PROBE.format(token=token))))
+        runner.start()
+        host = stat_of_process_with(token)
+        runner.join(60)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NICE, before)
+    result = done["result"]
+    assert result.ok, result.detail
+    idle_refused = "refused: " in box.last_priority and "SCHED_IDLE (" in box.last_priority
+    policy = os.SCHED_OTHER if idle_refused else os.SCHED_IDLE
+    assert box.last_priority.startswith("applied: nice 19"), box.last_priority
+    assert ("SCHED_IDLE" in box.last_priority.split(";")[0]) is not idle_refused
+    lines = result.output.splitlines()
+    assert lines[0] == f"{policy} 19"  # inside: os.sched_getscheduler(0), os.nice(0)
+    assert lines[1:] == ["nice refused", "policy refused"]
+    assert host is not None, "the tool's process was not seen on the host"
+    assert (int(host[16]), int(host[38])) == (19, policy)  # the host's view: nice, policy
+
+
 def test_the_tool_inherits_no_descriptor_but_its_three(sandbox):
     # the launcher's status pipe above all: the tool must not be able to write its own verdict
     result = sandbox.run_python("import os; print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))")

@@ -106,6 +106,37 @@ def test_tokenize_must_give_the_tokenizers_ids(catalogue, model):
     assert not check.judge(reply(200, {"count": 5, "max_model_len": 8192, "tokens": ids}))[0]
 
 
+def test_tokenize_and_the_models_route_each_have_a_refusal(catalogue):
+    bare = catalogue["tokenize without prompt"]
+    assert (bare.method, bare.path) == ("POST", "/tokenize") and "prompt" not in json.loads(bare.body)
+    assert bare.judge(openai_error("missing_required_parameter")) == (True, "")
+    assert not bare.judge(reply(404, {"detail": "Not Found"}))[0]            # a foil without the route
+    unknown = catalogue["a model not served (/v1/models/gpt-5)"]
+    assert (unknown.method, unknown.path) == ("GET", "/v1/models/gpt-5")
+    assert unknown.judge(openai_error("model_not_found", 404)) == (True, "")
+    assert not unknown.judge(reply(404, {"detail": "Not Found"}))[0]
+
+
+def test_a_tokenize_answer_reads_as_its_ids_not_as_choices():
+    ids = reply(200, {"count": 2, "max_model_len": 2048, "tokens": [19556, 28]})
+    assert ac.excerpt_of(ids) == "2 token id(s)"
+    assert ac.excerpt_of(completion(["a"], 3)) == "1 choice(s), 3 tokens"
+
+
+def test_missing_route_404s_are_the_404s_for_routes_the_service_lacks(catalogue):
+    names = ["list the models", "unknown route", "not JSON", "tokenize without prompt",
+             "chat without messages"]
+    requests = [catalogue[n] for n in names]
+    statuses = [404, 404, 404, 404, 400]    # "not JSON" 404 on a route it has; chat: a 400 where it has none
+    answers = [ac.Answer(n, r.group, s, None, "", None, False, "", 0.0)
+               for n, r, s in zip(names, requests, statuses)]
+    missing = ac.missing_route_404s(requests, answers, {"/v1/completions"})
+    assert missing == ["list the models", "tokenize without prompt"]   # not the unknown-route probe
+    assert ac.missing_route_404s(requests, answers, {"/v1/completions", "/v1/models", "/tokenize"}) == []
+    with pytest.raises(ValueError):
+        ac.missing_route_404s(requests[1:], answers, {"/v1/completions"})
+
+
 @pytest.fixture(scope="module")
 def catalogue(model):
     return {r.name: r for r in ac.build_catalogue(MODEL, model.tokenizer, context_tokens=model.max_positions,
@@ -351,14 +382,16 @@ def test_the_foil_is_lax_and_crashes_where_the_chapter_says(model, reference, fu
     from labkit.serve.server import BackgroundServer
 
     names = ['"5" as max_tokens', "misspelt option (max_tokns)", "temperature 0", "not JSON", "unknown route",
-             "a correct request", "prompt over the context"]
+             "a correct request", "prompt over the context", "list the models", "tokenize without prompt"]
     picked = [r for r in full_catalogue if r.name in names]
     foil = ac.StoppableReference(reference)
     torch.manual_seed(0)   # the foil samples from torch's global generator
     try:
-        with BackgroundServer(build_naive_app(MODEL, foil, model.tokenizer)) as server, ac.quiet("uvicorn.error"):
-            rows = {a.request: a for a in ac.send_catalogue(server.url, picked, costly_timeout_s=2,
-                                                            on_timeout=lambda r: foil.stop())}
+        app = build_naive_app(MODEL, foil, model.tokenizer)
+        with BackgroundServer(app) as server, ac.quiet("uvicorn.error"):
+            answers = ac.send_catalogue(server.url, picked, costly_timeout_s=2,
+                                        on_timeout=lambda r: foil.stop())
+        rows = {a.request: a for a in answers}
     finally:
         foil.close()
     assert rows['"5" as max_tokens'].category == "200, wrong" and rows['"5" as max_tokens'].excerpt.endswith("5 tokens")
@@ -367,6 +400,9 @@ def test_the_foil_is_lax_and_crashes_where_the_chapter_says(model, reference, fu
     assert rows["not JSON"].category == rows["unknown route"].category == "4xx, another shape"
     assert rows["a correct request"].category == "200, correct"
     assert rows["prompt over the context"].category == "no answer in time" and foil.stops == 1
+    # only the routes it lacks: not the unknown-route probe, nor its 422 to "not JSON"
+    served = {route.path for route in app.routes}
+    assert ac.missing_route_404s(picked, answers, served) == ["list the models", "tokenize without prompt"]
 
 
 def test_greedy_margins_gives_the_text_and_each_steps_top_two_gap():

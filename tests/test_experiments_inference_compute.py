@@ -188,6 +188,17 @@ def test_the_clustered_interval_widens_when_answers_to_a_question_move_together(
         ic.clustered_rate_interval([1], [1, 2])
 
 
+def test_false_accept_offsets_are_how_far_each_accepted_wrong_answer_is():
+    rows = [sampled((8, 5), [13, 23, 12, None, 3, 3]), sampled((1, 1), [2, 12, 2, 1])]
+    # accepted wrong answers: 23 (+10), 3 twice (-10) for 13; 12 (+10) for 2; 12 and 1 rejected
+    offsets = ic.false_accept_offsets(rows, ic.last_digit_verifier)
+    assert offsets == {10: 2, -10: 2}
+    assert sum(offsets.values()) == ic.false_accepts(rows, ic.last_digit_verifier)[0]
+    far = [sampled((59, 7), [126, 76, 56, 66])]  # 126 is the outlier a model wrote for 59 + 7
+    assert ic.false_accept_offsets(far, ic.last_digit_verifier) == {60: 1, 10: 1, -10: 1}
+    assert not ic.false_accept_offsets(far, ic.exact_verifier)
+
+
 def test_false_accepts_by_question_adds_up_to_the_pooled_count():
     rows = [sampled((8, 5), [13, 23, 12, None, 3]), sampled((1, 1), [2, 12, 2])]
     assert ic.false_accepts_by_question(rows, ic.last_digit_verifier) == [(2, 3), (1, 1)]
@@ -199,9 +210,32 @@ def test_the_first_step_says_whose_digits_a_worked_answer_adds():
     assert ic.first_step(question, " 8 + 7 = 15, so the last digit is 8") == "an example's digits"
     assert ic.first_step(question, " 3 + 4 = 7") == "an example's digits"
     assert ic.first_step(question, " 5 + 2 = 7") == "other digits"
+    # one number in an example's place, the other the question's: a part copy
+    assert ic.first_step(question, " 8 + 5 = 13") == "part an example's"
+    assert ic.first_step(question, " 9 + 4 = 13") == "part an example's"
+    # the whole operands, even where one of them is an example's number in its place
+    assert ic.first_step(question, " 59 + 7 = 66") == "its whole operands"
+    assert ic.first_step(ic.Problem((58, 7), ""), " 58 + 7 = 65") == "its whole operands"
     assert ic.first_step(question, " The answer is 66.") == "no digit sum"
     rows = [sampled((59, 7), [65]), sampled((58, 7), [65]), sampled((1, 2), [27]), sampled((1, 2), [None])]
     assert ic.copied_answers(rows) == 2  # 65 for 58 + 7 is right, not a copy
+
+
+def test_a_serial_row_counts_each_first_sum_once_and_leaves_them_blank_without_working():
+    question = ic.Problem((59, 7), "")
+    texts = [" 9 + 7 = 16. The answer is 66.", " 8 + 7 = 15", " 8 + 5 = 13", " 59 + 7 = 66",
+             " 5 + 2 = 7", " The answer is 65."]
+    written = [ic.Sampled(question, [ic.worked_answer(t)], [len(t)], [t]) for t in texts]
+    forced = [ic.Sampled(question, [66 if i < 4 else 65], [len(t) + 2], [t]) for i, t in enumerate(texts)]
+    row = ic.serial_row("worked", written, forced)
+    assert [row[f"first sum: {kind}"] for kind in ic.FIRST_STEPS] == [1, 1, 1, 1, 1, 1]
+    assert sum(row[f"first sum: {kind}"] for kind in ic.FIRST_STEPS) == len(texts)
+    assert (row["answered unforced"], row["right unforced"], row["right"]) == (2, 1, 4)
+    low, high = ic.wilson_interval(4, 6)
+    assert row["accuracy"] == "66.7%" and row["95% interval"] == f"{low:.1%}-{high:.1%}"
+    at_once = ic.serial_row("at once", written, written, worked=False)
+    assert all(at_once[f"first sum: {kind}"] == "" for kind in ic.FIRST_STEPS)
+    assert at_once["right"] == 1
 
 
 def test_successive_differences_find_where_a_curve_stops_rising():

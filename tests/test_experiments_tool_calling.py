@@ -197,6 +197,36 @@ def test_windows_count_throughput_and_the_requests_the_escapes_overlapped():
         (1, False, 4), (1, True, 3), (2, False, 4), (2, True, 3)]
     assert rows[1]["escapes ran (s)"] == "0.20-3.00" and rows[0]["escapes ran (s)"] == ""
     assert rows[1]["median (s)"] == 0.85  # of 0.5, 3.0, 1.0, 0.7
+    answered = "answered while the escapes ran"
+    assert rows[1][answered] == 1 and rows[0][answered] is None
+
+
+def test_answers_while_the_escapes_ran_and_the_longest_wait():
+    # ATTACK's escapes ran 0.2-3.0: one answer (at 0.5) came inside; then 2.5 s with none
+    assert ATTACK.answered_during_attack() == 1 and ATTACK.longest_silence() == pytest.approx(2.5)
+    stalled = te.Window("attack", 5.0, [(0.0, 4.1), (4.1, 4.3)], attack=(0.0, 4.0))
+    assert stalled.answered_during_attack() == 0 and stalled.longest_silence() == pytest.approx(4.0)
+    assert QUIET.answered_during_attack() == 0 and QUIET.longest_silence() == 0.0
+
+
+def test_the_headline_says_whether_the_client_was_answered_while_the_escapes_ran():
+    stalled = te.Window("attack", 5.0, [(0.0, 4.1), (4.1, 4.3)], attack=(0.0, 4.0))
+    answered = te.served_headline(te.ServedMeanwhile([QUIET, ATTACK, QUIET, ATTACK], 5.0))
+    assert answered == ("while they ran, the same server went on answering another client (2 answers; "
+                        "its longest wait 2.50 s of the escapes' 2.80 s)")
+    none = te.served_headline(te.ServedMeanwhile([QUIET, stalled, QUIET, stalled], 5.0))
+    assert "answered another client nothing" in none and "4.00 s" in none
+    mixed = te.served_headline(te.ServedMeanwhile([QUIET, ATTACK, QUIET, stalled], 5.0))
+    assert "in 1 of 2 windows and nothing in the others" in mixed
+
+
+def test_p90_difference_is_per_pair_of_windows():
+    import numpy as np
+
+    served = te.ServedMeanwhile([QUIET, ATTACK], 5.0)
+    expected = np.percentile(ATTACK.latencies(), 90) - np.percentile(QUIET.latencies(), 90)
+    low, high, word = served.p90_difference()
+    assert low == high == pytest.approx(expected) and word == "more"
 
 
 def test_p90_is_numpys_linear_percentile():
@@ -208,20 +238,39 @@ def test_p90_is_numpys_linear_percentile():
 
 # -- how the forced replies were read ----------------------------------------------------------
 
-def outcome(attempted, valid, problem="", finish="stop"):
-    return tc.TaskOutcome(tc.Task("q", 1), attempted, valid, False, False, "", problem, finish)
+def outcome(attempted, valid, problem="", finish="stop", calls=None):
+    calls = calls if calls is not None else int(attempted and not problem)
+    return tc.TaskOutcome(tc.Task("q", 1), attempted, valid, False, False, "", problem, finish, calls)
+
+
+CUT = "<tool_call> without </tool_call>"
 
 
 def test_first_reply_reasons_group_by_reading_and_finish():
-    outcomes = [outcome(True, False, "<tool_call> without </tool_call>", "length")] * 3 + [
+    outcomes = [outcome(True, False, CUT, "length")] * 3 + [
         outcome(True, False, "the call is not JSON: Unterminated string at char 51", "stop"),
-        outcome(True, True), outcome(False, False), outcome(True, False, "", "stop")]
+        outcome(True, True), outcome(False, False), outcome(True, False, "", "stop"),
+        outcome(True, True, CUT, "length", calls=1), outcome(True, True, CUT, "length", calls=2)]
     assert tc.first_reply_reasons(outcomes) == [
-        {"the first reply": "<tool_call> without </tool_call>", "finish reason": "length", "replies": 3},
+        {"the first reply": CUT, "finish reason": "length", "replies": 3},
+        {"the first reply": "a call the tool ran + " + CUT, "finish reason": "length", "replies": 2},
         {"the first reply": "the call is not JSON", "finish reason": "stop", "replies": 1},
         {"the first reply": "a call the tool ran", "finish reason": "stop", "replies": 1},
         {"the first reply": "no call", "finish reason": "stop", "replies": 1},
         {"the first reply": "a call the tool refused", "finish reason": "stop", "replies": 1}]
+
+
+def test_a_forced_reply_with_a_call_then_a_cut_block_counts_both():
+    """The stored shape of finding 2: a whole calculator call, then a second block the budget
+    cut; the outcome (from the real parser and loop) holds the call and the problem together."""
+    whole = tc.call_text("calculator", expression="2 + 3")
+    task = tc.Task("What is 2 + 3?", 5)
+    trace = run_agent(ScriptedModel([whole + "\n<tool_call>{\"name\": \"calc", "It is 5."]),
+                      default_registry(), [{"role": "user", "content": task.question}], max_rounds=2)
+    got = tc.tool_use_outcome(task, trace)
+    assert (got.attempted, got.valid, got.right_call, got.calls) == (True, True, True, 1)
+    assert got.problem.startswith(CUT)
+    assert tc.first_reply_reasons([got])[0]["the first reply"] == "a call the tool ran + " + CUT
 
 
 # -- the live injection's replies, read ----------------------------------------------------------

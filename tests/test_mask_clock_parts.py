@@ -45,6 +45,8 @@ def test_bench_batches_decode_the_same_tokens_and_report_the_split(model):
     record = throughput(model, StructuredConfig(concurrency=4, max_tokens=12, repeats=1))
     assert {r["output_tokens"] for r in record["runs"]} == {4 * 12}
     assert all(r["finish"] == ["length"] for r in record["runs"])
+    # the warm-up (one batch of each kind, at the timed length) is recorded apart, never a repeat
+    assert len(record["runs"]) == 2 and all(s > 0 for s in record["warmup_seconds"].values())
     fill, unpack = record["mask_fill_us_median"], record["mask_unpack_us_median"]
     assert fill > 0 and unpack > 0 and record["mask_fill_us_per_row_median"] <= fill
 

@@ -4,7 +4,8 @@ This file runs as a script in a fresh interpreter (`python -I -S confine.py CONF
 by `sandbox.Sandbox` with an empty environment), so it uses the standard library only and
 its process starts single-threaded: nothing here runs in the server's own (threaded) process.
 
-    P0 launcher (outside)        forks P1; writes P1's uid/gid map (one id: the run's own)
+    P0 launcher (outside)        drops to the lowest CPU priority (inherited by all below);
+                                 forks P1; writes P1's uid/gid map (one id: the run's own)
     P1 unshare(user, mount, net, ipc, uts, pid); opens what it will bind; becomes uid 0 *of its
        namespace only*; builds a new root on a tmpfs: read-only binds of /usr and the
        interpreter, /dev/null, /dev/zero, /dev/urandom, a small tmpfs /tmp, the scratch
@@ -25,6 +26,14 @@ The new network namespace has only a loopback device that is down: connect() to 
 and to any outside address fails with ENETUNREACH; seccomp also refuses socket() for any
 family but AF_UNIX. P2 writes JSON lines to the status pipe (fd `config["status_fd"]`, closed
 on exec, so the tool cannot forge them): the tool's exit code or signal, or why setup failed.
+
+Why the lowest CPU priority: the rlimits bound a run's CPU *time*, not its share of the cores
+while it uses that time, and a fork bomb's processes or a busy loop would otherwise take the
+cores from the server that runs the model (chapter 34 saw it answer nothing for the 4 s of an
+attack). So P0 sets nice 19 and, where the kernel allows, SCHED_IDLE (runs only on a core
+that nothing else wants) before anything else; every process of the run inherits both, and
+RLIMIT_NICE 0 keeps the tool from climbing back. A cgroup would cap the share outright, but a
+process in a container rarely may make one.
 """
 
 from __future__ import annotations
@@ -233,6 +242,24 @@ def set_limits(limits: dict) -> None:
                       ("RLIMIT_FSIZE", "file_bytes"), ("RLIMIT_NOFILE", "nofile")):
         resource.setrlimit(getattr(resource, name), (limits[key], limits[key]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))  # no way back from nice 19 or SCHED_IDLE
+
+
+def lowest_priority() -> str:
+    """nice 19 and SCHED_IDLE for this process (and so for all it starts); says what was applied."""
+    applied, refused = [], []
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)  # raising one's own nice needs no privilege
+        applied.append(f"nice {os.getpriority(os.PRIO_PROCESS, 0)}")
+    except OSError as e:
+        refused.append(f"nice 19 ({e.strerror})")
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        applied.append("SCHED_IDLE")
+    except (OSError, AttributeError) as e:  # AttributeError: a Python built without it
+        refused.append(f"SCHED_IDLE ({getattr(e, 'strerror', None) or e})")
+    text = "applied: " + (", ".join(applied) or "nothing")
+    return text + ("; refused: " + ", ".join(refused) if refused else "")
 
 
 def report(fd: int, **fields) -> None:
@@ -306,6 +333,7 @@ def main(argv: list[str]) -> int:
         config = json.load(f)
     fd = config["status_fd"]
     os.set_inheritable(fd, False)  # forks keep it; the tool's exec does not
+    report(fd, priority=lowest_priority())  # first: the setup below runs at that priority too
     ready_r, ready_w = os.pipe()
     mapped_r, mapped_w = os.pipe()
     child = os.fork()

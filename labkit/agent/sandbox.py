@@ -8,9 +8,11 @@ launcher started with an empty environment in a session of its own, stdin fed fr
 stdout and stderr read together up to `Limits.output_bytes`, and the whole process group
 killed with SIGKILL at the wall-clock limit or past the output limit. Killing the group kills
 the namespace's pid 1, and the kernel then kills every process in the namespace, including
-any that left the group. How it ended becomes one `ErrorKind`, from the launcher's status
-pipe (which the tool cannot write) and what this side saw, never from the tool's own words
-(one exception, said at MEMORY_EXIT_CODE).
+any that left the group. The launcher first drops the run to the lowest CPU priority (nice 19,
+SCHED_IDLE where the kernel allows; `confine.lowest_priority`), so a tool that spins or forks
+takes the cores only when nothing else, the server included, wants them. How it ended
+becomes one `ErrorKind`, from the launcher's status pipe (which the tool cannot write) and
+what this side saw, never from the tool's own words (one exception, said at MEMORY_EXIT_CODE).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class Sandbox:
         self.seccomp = seccomp
         self.python = os.path.realpath(sys.executable)
         self.last_seccomp = ""  # what the last run's launcher said of the filter
+        self.last_priority = ""  # ... and of the CPU priority (nice, scheduling policy)
 
     @staticmethod
     def check_platform() -> None:
@@ -136,12 +139,12 @@ class Sandbox:
 
     def probe(self) -> str:
         """Start one confined no-op; SandboxUnavailable with the launcher's reason if it cannot.
-        Returns what it said of the seccomp filter."""
+        Returns what it said of the seccomp filter and of the CPU priority."""
         self.check_platform()
         result = self.run(["/bin/sh", "-c", "exit 0"])
         if not result.ok:
             raise SandboxUnavailable(result.detail or str(result.error))
-        return self.last_seccomp
+        return f"seccomp {self.last_seccomp}; CPU priority {self.last_priority}"
 
     def run_python(self, code: str, stdin: bytes = b"") -> ToolResult:
         result = self.run([self.python, "-I", "-S", "-c", PYTHON_RUNNER, code], stdin)
@@ -204,6 +207,7 @@ class Sandbox:
             except json.JSONDecodeError:
                 continue
         self.last_seccomp = status.get("seccomp", "")
+        self.last_priority = status.get("priority", "")
         out = ending.stdout.decode(errors="replace")
         err = ending.stderr.decode(errors="replace")
         fields = {"exit_code": status.get("exit"), "signal": status.get("signal"), "elapsed_s": elapsed}

@@ -14,7 +14,8 @@ catalogue's own rule:
   (:class:`Answer`) per request: status, error code or a short excerpt, which documented error
   shape the body has (if any), whether the answer is correct by the rule.
 * :func:`classify`: what kind of answer a row is (200 and correct, 200 but wrong, an error in
-  another shape, a 500, ...); :data:`CATEGORIES` lists them.
+  another shape, a 500, ...); :data:`CATEGORIES` lists them. :func:`missing_route_404s` picks
+  out the 404s a service gave only because it has no route at a request's path.
 * :class:`StoppableReference`: the foil's model with a switch, so that a harness can end a
   runaway `generate` (the foil cannot stop one itself) and go on to the next request.
 * :func:`parse_server_timing`, :func:`profile_stages`, :func:`detokenize_timing`: the stages of
@@ -34,7 +35,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import httpx
 
@@ -347,6 +348,10 @@ def build_catalogue(model: str, tokenizer, *, context_tokens: int, vocab_size: i
          _raw({"model": model, "prompt": "Hello", "add_special_tokens": False}),
          (Expect(200, rule="200 with the tokenizer's ids", check=tokens_check(tokenizer.encode("Hello"))),),
          P, False, "POST", "/tokenize"),
+        ("tokenize without prompt", "routes", _raw({"model": model}),
+         error(400, "missing_required_parameter"), P, False, "POST", "/tokenize"),
+        ("a model not served (/v1/models/gpt-5)", "routes", b"", error(404, "model_not_found"),
+         None, False, "GET", "/v1/models/gpt-5"),
         # Anthropic's Messages route: its own error shape and statuses (415 is its 400)
         ("messages: not JSON", "messages", b"hello", anthropic_error(400, "invalid_request_error"),
          P, False, "POST", "/v1/messages"),
@@ -432,6 +437,8 @@ def summarize_200(reply: Reply) -> str:
         return f"{text.count('data: ')} events" if text.startswith("data: ") else text[:40]
     if body.get("object") == "list":
         return f"{len(body.get('data', []))} model(s)"
+    if isinstance(body.get("tokens"), list):   # /tokenize: ids, not choices
+        return f"{len(body['tokens'])} token id(s)"
     choices, usage = body.get("choices") or [], body.get("usage") or {}
     return f"{len(choices)} choice(s), {usage.get('completion_tokens')} tokens"
 
@@ -513,6 +520,18 @@ def category_counts(answers: Sequence[Answer]) -> dict[str, int]:
     for a in answers:
         counts[classify(a)] += 1
     return counts
+
+
+def missing_route_404s(requests: Sequence[AwkwardRequest], answers: Sequence[Answer],
+                       served_paths: Collection[str]) -> list[str]:
+    """The requests a service answered 404 only because it has no route at their path: a route
+    the catalogue means to exist (not the unknown-route probe, whose rule is that 404). A foil
+    built for one route fails these for the route it lacks, not for how it handles a request."""
+    if [r.name for r in requests] != [a.request for a in answers]:
+        raise ValueError("the answers are not to these requests")
+    return [r.name for r, a in zip(requests, answers)
+            if a.status == 404 and r.path not in served_paths
+            and not any(e.status == 404 and e.code == "unknown_route" for e in r.expect)]
 
 
 def side_by_side(foil: Sequence[Answer], ours: Sequence[Answer]) -> list[dict]:

@@ -16,7 +16,7 @@ and a program knows the answer. Everything is counted per question, so accuracie
 a Wilson interval and two methods on the same questions with a paired bootstrap of their
 difference (`paired_difference`), never a bare comparison of two percentages.
 
-Two costs are counted, not timed: output tokens (what a provider bills) and sequential decode
+Two costs are counted, not timed: output tokens (what the spending adds) and sequential decode
 steps (a count of the engine steps a question needs before its last sample ends: N forked samples
 of 4 tokens cost 4N tokens but only 4 steps, though a step of many rows costs more than one of one).
 
@@ -156,18 +156,34 @@ def false_accepts(sampled: Sequence["Sampled"], verifier: Verifier) -> tuple[int
     return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
 
+def false_accept_offsets(sampled: Sequence["Sampled"], verifier: Verifier) -> Counter[int]:
+    """How far each wrong answer the verifier accepts is from the right one (answer - right
+    answer), counted over every sample. For the last-digit check every offset is a multiple of
+    ten: this says how many are a single carry (±10) and how many lie further out."""
+    return Counter(a - s.problem.answer for s in sampled for a in s.answers
+                   if a is not None and a != s.problem.answer and verifier(s.problem, a))
+
+
 # -- what a worked answer did ---------------------------------------------------------------
 def first_step(problem: Problem, text: str) -> str:
-    """Where a worked answer's first digit sum "x + y =" comes from: "its own digits" (the
-    question's last digits), "an example's digits" (`SHOT_STEPS`), "other digits", or "no digit
-    sum". A model that copies the worked examples writes their sums, whatever it is asked."""
+    """Where a worked answer's first sum "x + y =" comes from: "its own digits" (the question's
+    last digits), "an example's digits" (`SHOT_STEPS`), "part an example's" (one of the two is
+    an example's number in its place, as 8 + 5 for 49 + 5), "its whole operands" (59 + 7 for
+    59 + 7: the sum without the digit method), "other digits", or "no digit sum". A model that
+    copies the worked examples writes their sums, whatever it is asked."""
     found = DIGIT_SUM.search(text)
     if not found:
         return "no digit sum"
     step = (int(found.group(1)), int(found.group(2)))
     if step == (problem.operands[0] % 10, problem.operands[1] % 10):
         return "its own digits"
-    return "an example's digits" if step in SHOT_STEPS else "other digits"
+    if step in SHOT_STEPS:
+        return "an example's digits"
+    if step == tuple(problem.operands):
+        return "its whole operands"
+    if any(step[0] == shot[0] or step[1] == shot[1] for shot in SHOT_STEPS):
+        return "part an example's"
+    return "other digits"
 
 
 def copied_answers(sampled: Sequence["Sampled"]) -> int:
@@ -248,6 +264,33 @@ def force_answers(engine, rows: Sequence[Sampled], prompts: Sequence[str], *,
         out[i] = Sampled(r.problem, f.answers, [r.tokens[0] + f.tokens[0]],
                          [r.texts[0] + FORCE_ANSWER + f.texts[0]], [r.token_ids[0] + f.token_ids[0]])
     return out
+
+
+# The kinds of first sum `first_step` tells apart, in the serial table's column order.
+FIRST_STEPS = ("its own digits", "an example's digits", "part an example's", "its whole operands",
+               "other digits", "no digit sum")
+
+
+def serial_row(label: str, written: Sequence[Sampled], with_forcing: Sequence[Sampled], *,
+               worked: bool = True) -> dict[str, object]:
+    """One row of the serial table: what the answers said on their own (`written`), what they
+    got with the answer forced, and (for worked answers only) where each first sum came from;
+    an answer given at once has no working, so its first-sum cells are left blank."""
+    right = correct_at(with_forcing, 1, "first")
+    low, high = wilson_interval(sum(right), len(right))
+    steps = Counter(first_step(s.problem, s.texts[0]) for s in written)
+    row: dict[str, object] = {
+        "arm": label,
+        "answered unforced": sum(s.answers[0] is not None for s in written),
+        "right unforced": sum(correct_at(written, 1, "first")),
+        "right": sum(right),
+        "accuracy": f"{sum(right) / len(right):.1%}",
+        "95% interval": f"{low:.1%}-{high:.1%}",
+        "tokens per question": round(tokens_at(with_forcing, 1), 1),
+    }
+    for kind in FIRST_STEPS:
+        row[f"first sum: {kind}"] = steps[kind] if worked else ""
+    return row
 
 
 def per_sample_accuracy(sampled: Sequence[Sampled]) -> list[float]:

@@ -181,6 +181,7 @@ class TaskOutcome:
     first_reply: str
     problem: str = ""     # why the first reply's first unreadable block was not a call
     finish: str = ""      # the first reply's finish reason ("length": its token budget ran out)
+    calls: int = 0        # blocks in the first reply that parsed as calls (valid or refused)
 
 
 def tool_use_outcome(task: Task, trace: AgentTrace) -> TaskOutcome:
@@ -193,16 +194,19 @@ def tool_use_outcome(task: Task, trace: AgentTrace) -> TaskOutcome:
     final = trace.answer if trace.stopped == "answered" else ""
     problem = first.parsed.problems[0].reason if first.parsed.problems else ""
     return TaskOutcome(task, attempted, valid, right_call, task.answer in numbers_in(final), first.reply,
-                       problem, first.finish_reason)
+                       problem, first.finish_reason, len(first.parsed.calls))
 
 
 def first_reply_reasons(outcomes: Sequence[TaskOutcome]) -> list[dict]:
-    """How each first reply was read, with its finish reason: a row per (reading, finish), the
-    reason cut before its position details (the same fault, wherever in the reply)."""
+    """How each first reply was read, with its finish reason: a row per (reading, finish). A
+    reply may hold several blocks (a forced reply may, while parallel calls are on): its reading
+    names the calls and the first unreadable block both ("a call the tool ran + <problem>"), the
+    problem cut before its position details (the same fault, wherever in the reply)."""
     counts = Counter()
     for o in outcomes:
-        reading = ("no call" if not o.attempted else o.problem.split(":")[0] if o.problem
-                   else "a call the tool ran" if o.valid else "a call the tool refused")
+        call = ("a call the tool ran" if o.valid else "a call the tool refused") if o.calls else ""
+        held = [part for part in (call, o.problem.split(":")[0]) if part]
+        reading = " + ".join(held) if o.attempted and held else "no call"
         counts[reading, o.finish] += 1
     return [{"the first reply": reading, "finish reason": finish, "replies": n}
             for (reading, finish), n in counts.most_common()]

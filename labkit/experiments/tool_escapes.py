@@ -95,6 +95,24 @@ class Window:
         began, ended = self.attack
         return [end - start for start, end in self.spans if start < ended and end > began]
 
+    def answered_during_attack(self) -> int:
+        """Requests that ended while the escapes ran: answers the client got from the server
+        meanwhile (0 when quiet)."""
+        if self.attack is None:
+            return 0
+        began, ended = self.attack
+        return sum(began < end < ended for _, end in self.spans)
+
+    def longest_silence(self) -> float:
+        """The longest stretch of the escapes' running with no answer ending in it (0 when
+        quiet): the escapes' whole span when the server answered nothing meanwhile."""
+        if self.attack is None:
+            return 0.0
+        began, ended = self.attack
+        ends = sorted(end for _, end in self.spans if began < end < ended)
+        marks = [began, *ends, ended]
+        return max(b - a for a, b in zip(marks, marks[1:]))
+
 
 @dataclass
 class ServedMeanwhile:
@@ -109,8 +127,20 @@ class ServedMeanwhile:
         return [x for w in self.of_kind("quiet") for x in w.latencies()]
 
     @property
+    def attack_window_s(self) -> list[float]:
+        """Latencies of every request that began in a window with the escapes."""
+        return [x for w in self.of_kind("attack") for x in w.latencies()]
+
+    @property
     def under_attack_s(self) -> list[float]:
         return [x for w in self.of_kind("attack") for x in w.during_attack()]
+
+    def p90_difference(self) -> tuple[float, float, str]:
+        """The 90th percentile of the client's latency under attack minus quiet, for each pair
+        of windows: the lowest, the highest, and the shared verdict ("more": every pair slower)."""
+        pairs = [p90(a.latencies()) - p90(q.latencies())
+                 for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
+        return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
 
     def rate_difference(self) -> tuple[float, float, str]:
         """Requests per second under attack minus quiet, for each pair of windows: the lowest,
@@ -123,14 +153,36 @@ class ServedMeanwhile:
         """A row per window: how many requests, how fast, how long each took."""
         rows = []
         for index, w in enumerate(self.windows):
-            times = w.latencies()
+            times, attacked = w.latencies(), w.attack is not None
             rows.append({"window": index // 2 + 1, "escapes running": w.kind == "attack",
                          "requests completed": sum(end <= w.seconds for _, end in w.spans),
                          "requests per s": round(w.completed_per_s(), 2),
                          "median (s)": round(statistics.median(times), 3) if times else None,
                          "p90 (s)": round(p90(times), 3) if times else None,
+                         "answered while the escapes ran": w.answered_during_attack() if attacked else None,
+                         "longest wait for an answer (s)":
+                             round(w.longest_silence(), 2) if attacked else None,
                          "escapes ran (s)": f"{w.attack[0]:.2f}-{w.attack[1]:.2f}" if w.attack else ""})
         return rows
+
+
+def served_headline(served: ServedMeanwhile) -> str:
+    """What the other client got from the server while the escapes ran, read from the attack
+    windows: answers in every one, in none (a stall until the escapes ended), or in some."""
+    attacked = served.of_kind("attack")
+    answered = [w.answered_during_attack() for w in attacked]
+    wait = max(w.longest_silence() for w in attacked)
+    ran_for = max(w.attack[1] - w.attack[0] for w in attacked)
+    some = sum(count > 0 for count in answered)
+    if some == len(answered):
+        return (f"while they ran, the same server went on answering another client "
+                f"({sum(answered)} answers; its longest wait {wait:.2f} s of the escapes' "
+                f"{ran_for:.2f} s)")
+    if some == 0:
+        return (f"while they ran, the same server answered another client nothing (its "
+                f"requests waited up to {wait:.2f} s, until the escapes ended)")
+    return (f"while they ran, the same server answered another client in {some} of "
+            f"{len(answered)} windows and nothing in the others (longest wait {wait:.2f} s)")
 
 
 def p90(values: Sequence[float]) -> float:

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
+from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
@@ -123,6 +124,27 @@ def published_template(name: str) -> str:
     if hashlib.sha256(data).hexdigest() != sha256:
         raise ValueError(f"{filename} does not match its pinned sha256 {sha256}")
     return data.decode("utf-8")
+
+
+def chat_template_from(spec: str) -> str:
+    """A chat template's source from `labkit serve --chat-template` (as vLLM's option): the name
+    of a published template above, or a Jinja file's path. Compiled here so that a broken one
+    is refused when the server starts, not at its first chat request."""
+    import jinja2
+
+    if spec in PUBLISHED_TEMPLATES:
+        source = published_template(spec)
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"--chat-template {spec!r}: not a published template "
+                             f"({', '.join(sorted(PUBLISHED_TEMPLATES))}) and no such file")
+        source = path.read_text(encoding="utf-8")
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template {spec!r} does not compile: {e}") from e
+    return source
 
 
 # --------------------------------------------------------------------------------------------

@@ -130,10 +130,26 @@ async def _announce(server: uvicorn.Server, url: str, model: str, client) -> Non
     print(f"labkit serve: {url} (model {model}{weights}, {where}{context})", flush=True)
 
 
-def serve(args) -> int:
+def front_end_tokenizer(args):
+    """The model's tokenizer, with the chat template `--chat-template` names in place of the
+    file's own (ValueError, with a message for the operator, for one that is not there or does
+    not compile)."""
     from labkit.models.loader import load_tokenizer
+    from labkit.protocols.templates import chat_template_from
 
+    tokenizer = load_tokenizer(args.model)
+    if args.chat_template:
+        tokenizer = tokenizer.with_chat_template(chat_template_from(args.chat_template))
+    return tokenizer
+
+
+def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    try:
+        tokenizer = front_end_tokenizer(args)
+    except ValueError as e:
+        print(f"labkit serve: {e}", file=sys.stderr, flush=True)
+        return 2
 
     if args.naive:
         from labkit.models.reference import load_reference
@@ -144,7 +160,7 @@ def serve(args) -> int:
 
             torch.set_num_threads(args.threads)
         client = None
-        app = build_naive_app(args.model, load_reference(args.model), load_tokenizer(args.model))
+        app = build_naive_app(args.model, load_reference(args.model), tokenizer)
     else:
         settings = ServeSettings(model_name=args.model, max_body_bytes=args.max_body_bytes,
                                  api_keys=read_api_keys(args.api_key_file) if args.api_key_file else [],
@@ -156,7 +172,7 @@ def serve(args) -> int:
                                  max_concurrent_per_key=args.max_concurrent_per_key,
                                  log_prompts=args.log_prompts, sse_keepalive_seconds=args.sse_keepalive or None)
         client = make_client(args)
-        app = build_app(client, load_tokenizer(args.model), settings)
+        app = build_app(client, tokenizer, settings)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -268,6 +284,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL names it)")
+    parser.add_argument("--chat-template", metavar="NAME_OR_FILE",
+                        help="chat template for the chat, Messages and Responses routes in place of the "
+                             "model file's own: a published one (gemma3) or a Jinja file")
     parser.add_argument("--api-key-file", help="one key per line; without it, no authentication")
     parser.add_argument("--threads", type=int, help="torch threads in the engine")
     parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
