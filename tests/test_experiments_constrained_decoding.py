@@ -42,6 +42,48 @@ def test_lenient_reading_finds_the_first_value_in_chatter_and_fences():
     assert cd.lenient_value("no json here { nor here") == (False, None)
 
 
+def test_the_hunt_says_when_its_value_is_a_piece_of_text_that_is_not_json():
+    # the reviewer's case: the outer object does not parse ({0}); the hunt finds an inner one
+    text = '{"properties": {"medium": {"default": "None"}, "sizeLimit": {0}}}'
+    assert cd.lenient_hit(text) == (True, {"default": "None"}, True)
+    assert cd.lenient_hit('Sure: {"a": 1} ok') == (True, {"a": 1}, False)
+    assert cd.lenient_hit('"just a string"') == (False, None, False)  # never a bare string
+    assert cd.lenient_hit("42") == (False, None, False)
+    assert cd.lenient_value(text) == (True, {"default": "None"})
+
+
+def test_a_schema_echo_is_an_object_with_keywords_the_schema_does_not_declare():
+    loose = {"type": "object"}  # any object validates: an echo of it would pass
+    echo = cd.repaired_value('Schema: {"additionalProperties": true, "description": "x", ', loose)
+    assert echo[1] and cd.schema_echo(echo[2], loose)
+    assert cd.schema_echo({"type": "StringDescription", "description": "d"}, loose)
+    assert not cd.schema_echo({"name": "A", "age": 3}, PERSON)
+    assert not cd.schema_echo({"description": "a field called description"}, loose)
+    # a property the schema declares is an answer's field, not an echo
+    typed = {"type": "object", "properties": {"type": {"type": "string"}}}
+    assert not cd.schema_echo({"type": "cat"}, typed)
+    assert not cd.schema_echo(["type"], loose) and not cd.schema_echo("type", loose)
+
+
+def test_validity_by_source_splits_labkits_schemas_from_the_benchmarks():
+    params = SimpleNamespace(temperature=1.0, seed=0)
+    good, bad = '{"name": "A", "age": 3, "vegan": true}', '{"name": "A", '
+    attempts = [cd.judge("person", PERSON, True, params, good, [1], "stop"),
+                cd.judge("person", PERSON, True, params, bad, [1], "length"),
+                cd.judge("Bench/one", PERSON, True, params, bad, [1], "length"),
+                cd.judge("Bench/one", PERSON, True, params, good, [1], "stop"),
+                cd.judge("Bench/one", PERSON, True, params, good, [1], "stop"),
+                cd.judge("Bench/one", PERSON, False, params, "no", [1], "stop")]
+    rows = {(r["schemas from"], r["mask"]): r for r in cd.by_source(attempts, {"Bench/one"})}
+    assert set(rows) == {("written for labkit", "schema mask"), ("JSONSchemaBench", "schema mask"),
+                         ("JSONSchemaBench", "no mask")}
+    ours, theirs = rows["written for labkit", "schema mask"], rows["JSONSchemaBench", "schema mask"]
+    assert (ours["replies"], ours["valid"], ours["not valid, cut at max_tokens"]) == (2, 1, 1)
+    assert (theirs["replies"], theirs["valid"], theirs["not valid, cut at max_tokens"]) == (3, 2, 1)
+    free = rows["JSONSchemaBench", "no mask"]
+    assert (free["replies"], free["valid"], free["not valid, cut at max_tokens"]) == (1, 0, 0)
+
+
 def test_validity_checks_the_schema_and_its_formats():
     trip = cd.validator(cd.TRIP)
     assert trip.is_valid({"city": "Cork", "first_day": "2025-02-03", "last_day": "2025-02-05"})
@@ -325,20 +367,17 @@ def comparison(low, high):
     return Comparison("llguidance", "xgrammar", (low + high) / 2, low, high, 0.95, 5, 5)
 
 
-def test_pick_goes_by_coverage_then_compile_then_mask():
+def test_pick_goes_by_first_mask_then_compile_then_mask():
     faster, slower, tie = comparison(2.0, 3.0), comparison(0.3, 0.5), comparison(0.9, 1.1)
-    none = {"llguidance": {}, "xgrammar": {}}
-    xgr_refuses = {"llguidance": {}, "xgrammar": {"x": "no"}}
-    llg_refuses = {"llguidance": {"x": "no"}, "xgrammar": {}}
-    assert gc.pick_engine({"compile": slower, "mask": slower}, xgr_refuses)[0] == "llguidance"
-    assert gc.pick_engine({"compile": faster, "mask": faster}, llg_refuses)[0] == "xgrammar"
-    assert gc.pick_engine({"compile": faster, "mask": slower}, none)[0] == "llguidance"
-    assert gc.pick_engine({"compile": slower, "mask": faster}, none)[0] == "xgrammar"
-    assert gc.pick_engine({"compile": tie, "mask": slower}, none)[0] == "xgrammar"
-    assert "noise" in gc.pick_engine({"compile": tie, "mask": tie}, none)[1]
+    assert gc.pick_engine({"compile": faster, "mask": slower})[0] == "llguidance"
+    assert gc.pick_engine({"compile": slower, "mask": faster})[0] == "xgrammar"
+    assert gc.pick_engine({"compile": tie, "mask": slower})[0] == "xgrammar"
+    assert "noise" in gc.pick_engine({"compile": tie, "mask": tie})[1]
     # with a first-mask verdict the pick goes by it, not by compile time alone
-    assert gc.pick_engine({"compile": faster, "first mask": slower, "mask": faster}, none)[0] == "xgrammar"
-    assert "first mask" in gc.pick_engine({"compile": slower, "first mask": faster, "mask": tie}, none)[1]
+    assert gc.pick_engine({"compile": faster, "first mask": slower, "mask": faster})[0] == "xgrammar"
+    assert "first mask" in gc.pick_engine({"compile": slower, "first mask": faster, "mask": tie})[1]
+    # refusals do not decide: the check only ever runs xgrammar against llguidance's replies
+    assert "refuse" not in gc.pick_engine({"compile": faster, "first mask": faster, "mask": tie})[1]
 
 
 def test_grammar_engines_time_both_on_the_same_replies(model):
@@ -408,3 +447,26 @@ def test_long_schema_replies_are_sampled_apart_and_stay_in_the_schema(model, lib
     assert len({tuple(r) for r in replies}) == 3  # own seeds: three different streams
     grammar = library.compile(ResponseFormat.json_schema(LONG_SCHEMA))
     assert all(gc.refuses_at(grammar, r) is None for r in replies)
+
+
+def test_a_prefilled_reply_is_read_with_its_prefill_and_repairs_are_counted_apart():
+    class EchoTokenizer(PlainTokenizer):
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    # the model writes the rest of an object once "{" is given; one reply is cut short
+    script = {(False, 7): ('"name": "A", "age": 3, "vegan": true}', 9),
+              (False, 8): ('"name": "B", "age": 4, "vegan": false', 8, "length"),
+              (False, 9): ('"type": "object", "properties": {', 8, "length")}
+    engine = ScriptedEngine(script)
+    loose = {"type": "object"}
+    schemas = {"person": PERSON, "other": PERSON, "loose": loose}
+    got = cd.validity_run(engine, EchoTokenizer(), schemas, temperature=1.0, max_tokens=8,
+                          first_seed=7, arms=(False,), prefill="{")
+    prompt = cd.schema_prompt(EchoTokenizer(), PERSON)
+    assert cd.schema_prompt(EchoTokenizer(), PERSON, prefill="{") == [*prompt, ord("{")]
+    assert [a.text[0] for a in got] == ["{"] * 3 and got[0].strict_valid
+    assert len(got[0].token_ids) == 9  # the prefill is the prompt's, not an output token
+    counts = cd.repair_counts(got, schemas)
+    assert counts == {"replies": 3, "valid as written": 1, "made valid by the repair": 2,
+                      "of those, echoes of the schema": 1, "cut at max_tokens": 2}

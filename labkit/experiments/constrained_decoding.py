@@ -5,8 +5,9 @@ Every request, constrained or not, gets the same prompt: an instruction to answe
 JSON value that validates against the schema, and the schema itself. The only difference
 is the mask (`SamplingParams.response_format`, llguidance in labkit's engine). An output is
 read two ways: *strict* (the whole reply, stripped, is one JSON value: what a program that
-calls `json.loads` on it gets) and *lenient* (the first JSON value found anywhere in the
-reply, code fences and chatter skipped: the most a careful client could recover). It is
+calls `json.loads` on it gets) and *lenient* (the first `{` or `[` in the reply, inner ones
+included, at which an object or array parses: what a client that hunts for JSON in chatter and
+code fences recovers; a string or number alone is never found this way). It is
 *valid* when that value validates against the schema (`jsonschema`, formats checked).
 """
 
@@ -27,14 +28,19 @@ from labkit.structured import ResponseFormat
 INSTRUCTION = "Reply with one JSON value that validates against this JSON Schema, and nothing else."
 
 
-def schema_prompt(tokenizer, schema: dict, task: str | None = None, chat: bool | None = None) -> list[int]:
+def schema_prompt(tokenizer, schema: dict, task: str | None = None, chat: bool | None = None,
+                  prefill: str = "") -> list[int]:
     """The prompt both kinds of request get: the task (if any), the instruction, the schema.
     As a user turn of the chat template (`chat`; by default where the tokenizer has one), or
-    for a base model as plain text ending 'JSON:'."""
+    for a base model as plain text ending 'JSON:'. With `prefill` (say "{"), the reply is
+    started for the model: the prefill's tokens follow the prompt, and the reply is read as
+    the prefill plus what the model writes."""
     text = (f"{task}\n" if task else "") + f"{INSTRUCTION}\nSchema: {json.dumps(schema)}"
     if chat if chat is not None else bool(tokenizer.chat_template):
-        return tokenizer.encode_chat([{"role": "user", "content": text}])
-    return tokenizer.encode(f"{text}\nJSON:")
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+    else:
+        ids = tokenizer.encode(f"{text}\nJSON:")
+    return ids + (tokenizer.encode(prefill) if prefill else [])
 
 
 def validator(schema: dict):
@@ -51,17 +57,46 @@ def strict_value(text: str):
         return False, None
 
 
-def lenient_value(text: str):
-    """(True, value) for the first JSON object or array anywhere in the text (what a client
-    that hunts for JSON in chatter or code fences recovers); (False, None) if there is none."""
+def lenient_hit(text: str):
+    """(found, value, inner): the hunt for JSON in a reply. It tries every `{` or `[` from left
+    to right, inner ones included, and takes the first at which an object or array parses (a
+    string or number alone is never taken). `inner` is True when an earlier `{` or `[` did not
+    parse: the value found is then a piece inside text that is not JSON, not the reply's value."""
     decoder = json.JSONDecoder()
+    failed = False
     for start, char in enumerate(text):
         if char in "{[":
             try:
-                return True, decoder.raw_decode(text, start)[0]
+                return True, decoder.raw_decode(text, start)[0], failed
             except ValueError:
-                continue
-    return False, None
+                failed = True
+    return False, None, False
+
+
+def lenient_value(text: str):
+    """(True, value) for the first `{` or `[` in the text at which an object or array parses
+    (`lenient_hit`: what a client that hunts for JSON in chatter or code fences recovers);
+    (False, None) if there is none."""
+    found, value, _ = lenient_hit(text)
+    return found, value
+
+
+# The JSON Schema keywords that name a schema's structure. A reply object holding one that the
+# schema does not declare as a property is a piece of a schema (the prompt's, echoed), not a value.
+SCHEMA_KEYWORDS = frozenset({"$schema", "$ref", "$defs", "definitions", "type", "properties",
+                             "additionalProperties", "patternProperties", "required", "items",
+                             "anyOf", "oneOf", "allOf", "enum"})
+
+
+def schema_echo(value, schema: dict) -> bool:
+    """True when `value` is an object with a JSON Schema structure keyword among its keys that
+    `schema` does not declare as one of its own properties: the model wrote out a schema (in
+    practice, pieces of the one in its prompt), and it can validate only because the schema
+    allows unknown properties."""
+    if not isinstance(value, dict):
+        return False
+    declared = set(schema.get("properties", {})) if isinstance(schema, dict) else set()
+    return any(key in SCHEMA_KEYWORDS and key not in declared for key in value)
 
 
 def repair_text(text: str) -> str | None:
@@ -139,7 +174,7 @@ class Attempt:
     token_ids: tuple[int, ...]
     finish: str
     strict_valid: bool     # the whole reply is JSON and validates
-    lenient_valid: bool    # the first JSON value in the reply validates
+    lenient_valid: bool    # the first object or array the hunt finds (`lenient_hit`) validates
     draw: int = 0          # which of a schema's requests in its arm this is (0, 1, ...)
 
 
@@ -155,35 +190,35 @@ def judge(name: str, schema: dict, constrained: bool, params: SamplingParams, te
 
 
 def generate_attempts(engine, tokenizer, jobs: Sequence[tuple], *, temperature: float,
-                      max_tokens: int, chat: bool | None = None) -> list[Attempt]:
+                      max_tokens: int, chat: bool | None = None, prefill: str = "") -> list[Attempt]:
     """One engine batch of (schema name, schema, constrained, seed[, draw]) jobs, each
-    prompted with `schema_prompt`."""
+    prompted with `schema_prompt` (and `prefill`, judged as the start of the reply)."""
     params, batch = [], []
     for name, schema, constrained, seed, *_ in jobs:
         fmt = ResponseFormat.json_schema(schema) if constrained else None
         params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                      response_format=fmt))
-        batch.append(schema_prompt(tokenizer, schema, chat=chat))
+        batch.append(schema_prompt(tokenizer, schema, chat=chat, prefill=prefill))
     outs = engine.generate(batch, params)
-    return [judge(job[0], job[1], job[2], p, o.samples[0].text, o.samples[0].token_ids,
+    return [judge(job[0], job[1], job[2], p, prefill + o.samples[0].text, o.samples[0].token_ids,
                   o.samples[0].finish_reason, job[4] if len(job) > 4 else 0)
             for job, p, o in zip(jobs, params, outs)]
 
 
 def validity_run(engine, tokenizer, schemas: dict[str, dict], draws: int = 1, *, temperature: float,
                  max_tokens: int, first_seed: int = 0, arms: Sequence[bool] = (False, True),
-                 chat: bool | None = None) -> list[Attempt]:
+                 chat: bool | None = None, prefill: str = "") -> list[Attempt]:
     """Every schema `draws` times in each arm (False: free, True: under the mask), in one
     batch. Every request gets its own seed (first_seed, first_seed + 1, ...): a step's draw
     depends only on (seed, step), so requests that shared a seed would share one random
-    stream and not be independent samples."""
+    stream and not be independent samples. `prefill` starts every reply (`schema_prompt`)."""
     jobs: list[tuple] = []
     for constrained in arms:
         for name, schema in schemas.items():
             for draw in range(draws):
                 jobs.append((name, schema, constrained, first_seed + len(jobs), draw))
     return generate_attempts(engine, tokenizer, jobs, temperature=temperature, max_tokens=max_tokens,
-                             chat=chat)
+                             chat=chat, prefill=prefill)
 
 
 def paired_outcomes(attempts: Sequence[Attempt]) -> tuple[list[bool], list[bool]]:
@@ -225,10 +260,27 @@ def validity_rows(attempts: Sequence[Attempt], label: str = "") -> list[dict]:
         rows.append({"model": label, "mask": "schema" if constrained else "none",
                      "temperature": temperature, "replies": n,
                      "valid, whole reply": strict, "share valid": strict / n, "low": low, "high": high,
-                     "valid, first JSON in reply": lenient,
+                     "valid, first object or array found": lenient,
                      "stopped": sum(a.finish == "stop" for a in group),
                      "cut at max_tokens": sum(a.finish == "length" for a in group),
                      "stopped but invalid": sum(a.finish == "stop" and not a.strict_valid for a in group)})
+    return rows
+
+
+def by_source(attempts: Sequence[Attempt], benchmark_names: set[str]) -> list[dict]:
+    """Per source of schema (written for labkit, or JSONSchemaBench's `benchmark_names`) and arm:
+    replies, valid (whole reply), and not valid because cut at max_tokens."""
+    rows = []
+    for source, ours in (("written for labkit", True), ("JSONSchemaBench", False)):
+        for constrained, label in ((False, "no mask"), (True, "schema mask")):
+            group = [a for a in attempts if a.constrained == constrained
+                     and (a.schema not in benchmark_names) == ours]
+            if not group:
+                continue
+            rows.append({"schemas from": source, "mask": label, "replies": len(group),
+                         "valid": sum(a.strict_valid for a in group),
+                         "not valid, cut at max_tokens": sum(not a.strict_valid and a.finish == "length"
+                                                             for a in group)})
     return rows
 
 
@@ -258,6 +310,21 @@ class Repaired:
     valid: bool
     tokens: int
     generations: int
+
+
+def repair_counts(attempts: Sequence[Attempt], schemas: dict[str, dict]) -> dict:
+    """Over free replies: valid as written, made valid by `repair_text`, and how many of those
+    are echoes of the schema (`schema_echo`), not answers; with the replies cut at max_tokens."""
+    free = [a for a in attempts if not a.constrained]
+    echoed = []  # per reply the repair made valid: is it an echo of the schema?
+    for a in free:
+        if not a.strict_valid:
+            _, ok, value = repaired_value(a.text, schemas[a.schema])
+            if ok:
+                echoed.append(schema_echo(value, schemas[a.schema]))
+    return {"replies": len(free), "valid as written": sum(a.strict_valid for a in free),
+            "made valid by the repair": len(echoed), "of those, echoes of the schema": sum(echoed),
+            "cut at max_tokens": sum(a.finish == "length" for a in free)}
 
 
 def repair_run(engine, tokenizer, schemas: dict[str, dict], plain: Sequence[Attempt],
