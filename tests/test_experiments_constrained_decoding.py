@@ -380,6 +380,15 @@ def test_pick_goes_by_first_mask_then_compile_then_mask():
     assert "refuse" not in gc.pick_engine({"compile": faster, "first mask": faster, "mask": tie})[1]
 
 
+def test_a_fill_reads_as_the_bare_mask_only_when_every_row_fill_is_near_it():
+    bare = 100.0
+    assert gc.fill_is_bare_mask([105.0, 110.0], bare)
+    assert not gc.fill_is_bare_mask([105.0, 160.0], bare)  # the batch's row decides too
+    assert not gc.fill_is_bare_mask([160.0, 105.0], bare)
+    assert not gc.fill_is_bare_mask([148.6], bare)  # about half again the mask: not the mask
+    assert not gc.fill_is_bare_mask([bare * gc.FILL_AS_BARE_MASK], bare)
+
+
 def test_grammar_engines_time_both_on_the_same_replies(model):
     pytest.importorskip("xgrammar", reason="xgrammar is the optional cross-check (Makefile installs it)")
     schemas = {"person": PERSON, "refused": {"type": "object", "properties": {"a": {"type": "string",

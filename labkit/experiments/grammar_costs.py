@@ -269,6 +269,18 @@ def batch_cost(model, *, concurrency: int, max_tokens: int, repeats: int) -> dic
             "comparison": compare(plain, mixed, name_a="all plain", name_b="with constrained rows")}
 
 
+# a row's fill in the engine reads as llguidance's bare mask only within this factor of it: the
+# engine adds a bitmask allocation and two checks a row, and the two clocks run along different
+# replies of the same schema, so a fill half again the mask's holds work this run does not name
+FILL_AS_BARE_MASK = 1.15
+
+
+def fill_is_bare_mask(row_fill_us: list[float], bare_mask_us: float) -> bool:
+    """Whether every per-row fill (the request alone, a batch) stays within `FILL_AS_BARE_MASK`
+    times llguidance's bare mask step on the same schema: only then is a row's fill that mask."""
+    return max(row_fill_us) < FILL_AS_BARE_MASK * bare_mask_us
+
+
 def long_schema_replies(engine, tokenizer, count: int, max_tokens: int,
                         first_seed: int = 0) -> list[list[int]]:
     """`count` replies under `labkit bench structured`'s LONG_SCHEMA to its prompt, sampled at
