@@ -212,12 +212,54 @@ def test_answers_while_the_escapes_ran_and_the_longest_wait():
 def test_the_headline_says_whether_the_client_was_answered_while_the_escapes_ran():
     stalled = te.Window("attack", 5.0, [(0.0, 4.1), (4.1, 4.3)], attack=(0.0, 4.0))
     answered = te.served_headline(te.ServedMeanwhile([QUIET, ATTACK, QUIET, ATTACK], 5.0))
-    assert answered == ("while they ran, the same server went on answering another client (2 answers; "
-                        "its longest wait 2.50 s of the escapes' 2.80 s)")
+    # one answer in each 2.8 s run of escapes: 2 in 5.6 s, 0.36/s against QUIET's 4 per 5 s
+    assert answered == ("while they ran, the same server went on answering another client, but more "
+                        "slowly than in the quiet windows (2 answers in 5.6 s of escapes, 0.4 a second "
+                        "against 0.8 in the quiet windows; its longest wait 2.50 s of the escapes' 2.80 s)")
     none = te.served_headline(te.ServedMeanwhile([QUIET, stalled, QUIET, stalled], 5.0))
     assert "answered another client nothing" in none and "4.00 s" in none
     mixed = te.served_headline(te.ServedMeanwhile([QUIET, ATTACK, QUIET, stalled], 5.0))
     assert "in 1 of 2 windows and nothing in the others" in mixed
+    assert "(1 answer in 6.8 s of escapes, 0.1 a second against 0.8 in the quiet windows" in mixed
+
+
+# escapes over the whole window, answered at QUIET's pace (ends at 1, 2, 3, 4 s: 0.8/s)
+STEADY = te.Window("attack", 5.0, QUIET.spans, attack=(0.0, 5.0))
+# five answers in 2.6 s of escapes (1.9/s), five requests in the window, each 0.5 s
+BRISK = te.Window("attack", 5.0, [(0.0, 0.5), (0.5, 1.0), (1.0, 1.5), (1.5, 2.0), (2.0, 2.5)],
+                  attack=(0.0, 2.6))
+
+
+def test_the_answers_pace_while_the_escapes_ran_is_set_against_the_quiet_windows():
+    assert ATTACK.answer_rate() == pytest.approx(1 / 2.8) and QUIET.answer_rate() == 0.0
+    assert STEADY.answer_rate() == pytest.approx(0.8) and BRISK.answer_rate() == pytest.approx(5 / 2.6)
+    low, high, word = te.ServedMeanwhile([QUIET, ATTACK, QUIET, BRISK], 5.0).answer_rate_difference()
+    assert (low, high, word) == (pytest.approx(1 / 2.8 - 0.8), pytest.approx(5 / 2.6 - 0.8),
+                                 "no measurable difference")
+    steady = te.served_headline(te.ServedMeanwhile([QUIET, STEADY], 5.0))
+    assert steady == ("while they ran, the same server went on answering another client, at a pace these "
+                      "windows cannot tell from the quiet ones' (4 answers in 5.0 s of escapes, 0.8 a "
+                      "second against 0.8 in the quiet windows; its longest wait 1.00 s of the escapes' "
+                      "5.00 s)")
+    brisk = te.served_headline(te.ServedMeanwhile([QUIET, BRISK], 5.0))
+    assert brisk.startswith("while they ran, the same server went on answering another client, faster "
+                            "than in the quiet windows (5 answers in 2.6 s of escapes, 1.9 a second")
+
+
+def test_the_priority_reading_says_whether_the_client_was_slowed_all_the_same():
+    slowed = "yet the other client was slowed all the same"
+    # fewer requests per second (3 against 4 in 5 s)
+    assert te.priority_reading(te.ServedMeanwhile([QUIET, ATTACK], 5.0)).startswith(slowed)
+    # as many requests, but one took 1.9 s: p90 1.58 s against QUIET's 1.3 s
+    late = te.Window("attack", 5.0, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.9), (4.9, 6.0)],
+                     attack=(0.0, 4.0))
+    assert te.priority_reading(te.ServedMeanwhile([QUIET, late], 5.0)).startswith(slowed)
+    assert te.priority_reading(te.ServedMeanwhile([QUIET, STEADY], 5.0)) == (
+        "and the other client's pace and latency could not be told from the quiet windows' "
+        "(the numbers above)")
+    # 1 request/s against 0.8, p90 0.5 s against 1.3 s
+    assert te.priority_reading(te.ServedMeanwhile([QUIET, BRISK], 5.0)) == (
+        "and the other client was not slowed (the numbers above)")
 
 
 def test_p90_difference_is_per_pair_of_windows():

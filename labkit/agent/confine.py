@@ -30,10 +30,10 @@ on exec, so the tool cannot forge them): the tool's exit code or signal, or why 
 Why the lowest CPU priority: the rlimits bound a run's CPU *time*, not its share of the cores
 while it uses that time, and a fork bomb's processes or a busy loop would otherwise take the
 cores from the server that runs the model (chapter 34 saw it answer nothing for the 4 s of an
-attack). So P0 sets nice 19 and, where the kernel allows, SCHED_IDLE (runs only on a core
-that nothing else wants) before anything else; every process of the run inherits both, and
-RLIMIT_NICE 0 keeps the tool from climbing back. A cgroup would cap the share outright, but a
-process in a container rarely may make one.
+attack). So P0 sets nice 19 and, where the kernel allows, SCHED_IDLE (a very small weight: it
+runs mostly on cores that nothing else wants) before anything else; every process of the run
+inherits both, and RLIMIT_NICE 0 keeps the tool from climbing back. A cgroup would cap the
+share outright, but a process in a container rarely may make one.
 """
 
 from __future__ import annotations

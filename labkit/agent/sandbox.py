@@ -10,7 +10,7 @@ killed with SIGKILL at the wall-clock limit or past the output limit. Killing th
 the namespace's pid 1, and the kernel then kills every process in the namespace, including
 any that left the group. The launcher first drops the run to the lowest CPU priority (nice 19,
 SCHED_IDLE where the kernel allows; `confine.lowest_priority`), so a tool that spins or forks
-takes the cores only when nothing else, the server included, wants them. How it ended
+takes the cores mostly when nothing else, the server included, wants them. How it ended
 becomes one `ErrorKind`, from the launcher's status pipe (which the tool cannot write) and
 what this side saw, never from the tool's own words (one exception, said at MEMORY_EXIT_CODE).
 """

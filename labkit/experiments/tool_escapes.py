@@ -103,6 +103,13 @@ class Window:
         began, ended = self.attack
         return sum(began < end < ended for _, end in self.spans)
 
+    def answer_rate(self) -> float:
+        """Answers per second of the escapes' running (0 when quiet): the client's pace while
+        they ran, to set against a quiet window's `completed_per_s`."""
+        if self.attack is None:
+            return 0.0
+        return self.answered_during_attack() / (self.attack[1] - self.attack[0])
+
     def longest_silence(self) -> float:
         """The longest stretch of the escapes' running with no answer ending in it (0 when
         quiet): the escapes' whole span when the server answered nothing meanwhile."""
@@ -149,6 +156,14 @@ class ServedMeanwhile:
                  for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
         return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
 
+    def answer_rate_difference(self) -> tuple[float, float, str]:
+        """Answers per second while the escapes ran minus the quiet window's requests per
+        second, for each pair: the lowest, the highest, and the shared verdict ("less": every
+        pair answered more slowly while the escapes ran)."""
+        pairs = [a.answer_rate() - q.completed_per_s()
+                 for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
+        return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
+
     def rows(self) -> list[dict]:
         """A row per window: how many requests, how fast, how long each took."""
         rows = []
@@ -168,21 +183,50 @@ class ServedMeanwhile:
 
 def served_headline(served: ServedMeanwhile) -> str:
     """What the other client got from the server while the escapes ran, read from the attack
-    windows: answers in every one, in none (a stall until the escapes ended), or in some."""
+    windows: answers in every one, in none (a stall until the escapes ended), or in some; with
+    the answers' pace against the quiet windows' and, when every window had answers, the
+    shared verdict on it per pair (`ServedMeanwhile.answer_rate_difference`)."""
     attacked = served.of_kind("attack")
     answered = [w.answered_during_attack() for w in attacked]
     wait = max(w.longest_silence() for w in attacked)
     ran_for = max(w.attack[1] - w.attack[0] for w in attacked)
+    running_s = sum(w.attack[1] - w.attack[0] for w in attacked)
+    quiet_rate = statistics.mean(w.completed_per_s() for w in served.of_kind("quiet"))
+    answers = f"{sum(answered)} answer" + ("" if sum(answered) == 1 else "s")
+    pace = (f"{answers} in {running_s:.1f} s of escapes, "
+            f"{sum(answered) / running_s:.1f} a second against {quiet_rate:.1f} in the quiet windows")
     some = sum(count > 0 for count in answered)
     if some == len(answered):
-        return (f"while they ran, the same server went on answering another client "
-                f"({sum(answered)} answers; its longest wait {wait:.2f} s of the escapes' "
-                f"{ran_for:.2f} s)")
+        how = {"less": ", but more slowly than in the quiet windows",
+               "more": ", faster than in the quiet windows",
+               "no measurable difference": ", at a pace these windows cannot tell from the quiet ones'",
+               }[served.answer_rate_difference()[2]]
+        return (f"while they ran, the same server went on answering another client{how} "
+                f"({pace}; its longest wait {wait:.2f} s of the escapes' {ran_for:.2f} s)")
     if some == 0:
         return (f"while they ran, the same server answered another client nothing (its "
                 f"requests waited up to {wait:.2f} s, until the escapes ended)")
     return (f"while they ran, the same server answered another client in {some} of "
-            f"{len(answered)} windows and nothing in the others (longest wait {wait:.2f} s)")
+            f"{len(answered)} windows and nothing in the others ({pace}; longest wait {wait:.2f} s)")
+
+
+def priority_reading(served: ServedMeanwhile) -> str:
+    """Whether the other client was slowed all the same, now that the tool runs at the lowest
+    priority: the shared verdicts on its pace and its 90th percentile latency per pair of
+    windows. The cause is not told apart: the tool keeps a small share under SCHED_IDLE, and
+    each launcher's interpreter start-up (before `confine.lowest_priority`), the runtime's
+    threads and the client run at the usual priority on the same cores."""
+    pace = served.rate_difference()[2]
+    latency = served.p90_difference()[2]
+    if pace == "less" or latency == "more":
+        return ("yet the other client was slowed all the same (the numbers above): the tool "
+                "keeps a small share of the cores, and the launchers' start-up, the runtime's "
+                "threads and the client itself run at the usual priority on the same cores; "
+                "these windows do not tell which took the time")
+    if pace == latency == "no measurable difference":
+        return ("and the other client's pace and latency could not be told from the quiet "
+                "windows' (the numbers above)")
+    return "and the other client was not slowed (the numbers above)"
 
 
 def p90(values: Sequence[float]) -> float:
