@@ -306,18 +306,21 @@ def test_mix_summary_counts_how_each_request_ended():
         return o
     outcomes = [out("stream", "answer"), out("whole", "error", "engine_unavailable"), out("leave", "left"),
                 out("bad", "error", "invalid_json"), out("stream", "error", "engine_died"),
-                out("timeout", "left"), out("whole", "error", "engine_unavailable")]
+                out("timeout", "left"), out("whole", "error", "engine_unavailable"),
+                out("whole", "error", "engine_died")]
+    outcomes[4].chunks = 2     # the stream had shown chunks; the whole request at 7 nothing
     before, early, late = fp.BEFORE_KILL, fp.BEFORE_NOTICED, fp.AFTER_NOTICED
     # sent after the kill: the whole at 1 (refused), the bad one (not counted), the stream at 4
     # and the timeout at 5 (accepted: an error other than a refusal is not one, sent before
     # /health showed the death) and the whole at 6 (refused, after it)
-    sent = [before, early, before, early, early, early, late]
+    sent = [before, early, before, early, early, early, late, before]
     mix = fx.Scenario("random_mix", "x", outcomes, {}, {
         "worker_restarts": 1, "replays": 2, "streams_with_chunks_at_kill": None, "open_at_kill": 3,
         "noticed_after_kill_s": 0.1234, "sent": sent})
     assert fp.mix_summary(7, mix) == {
-        "seed": 7, "requests": 7, "answered": 1, "left": 2, "bad": 1, "failed": 3, "engine_unavailable": 2,
-        "engine_died": 1, "worker restarts": 1, "replays": 2, "open at the kill": 3,
+        "seed": 7, "requests": 8, "answered": 1, "left": 2, "bad": 1, "failed": 4, "engine_unavailable": 2,
+        "engine_died": 2, "engine_died with nothing shown": 1, "worker restarts": 1, "replays": 2,
+        "open at the kill": 3,
         "streams with chunks at the kill": 0, "noticed after the kill (ms)": 123,
         "well-formed sent after the kill": 4, "of those, sent before /health said 503": 3,
         "of those, accepted": 2, "of those, refused": 2}
@@ -346,16 +349,32 @@ def _sample(t, running, waiting, blocks, steps):
 
 
 def test_the_longest_steady_wait_and_the_steps_across_it():
-    trace = [_sample(0.0, 0, 0, 0, 0), _sample(0.1, 4, 2, 30, 5),      # 4/2: 0.1 to 0.2 s, 3 steps
-             _sample(0.2, 4, 2, 31, 8), _sample(0.3, 1, 7, 13, 20),    # 1/7: 0.3 to 0.6 s, no step
-             _sample(0.4, 1, 7, 13, 20), _sample(0.6, 1, 7, 13, 20), _sample(0.7, 8, 0, 60, 21),
-             _sample(0.8, 8, 0, 60, 40), _sample(0.9, 8, 0, 60, 50), _sample(2.0, 8, 0, 61, 80)]
-    assert fx.longest_steady_wait(trace) == {
-        "start_s": 0.3, "end_s": 0.6, "running": 1, "waiting": 7, "blocks_at_start": 13,
-        "blocks_at_end": 13, "engine_steps": 0}
-    # a stretch that runs to the trace's end counts too; none waiting at all: None
-    assert fx.longest_steady_wait(trace[:2] + [_sample(1.5, 4, 2, 40, 90)])["engine_steps"] == 85
-    assert fx.longest_steady_wait([_sample(0.0, 1, 0, 3, 1)]) is None
+    trace = [_sample(0.0, 0, 0, 0, 0),
+             _sample(0.1, 4, 2, 30, 5), _sample(0.2, 4, 2, 31, 8),     # 4/2 for 0.4 s, but the
+             _sample(0.5, 4, 2, 32, 12),                               # blocks grow: not flat
+             _sample(0.6, 1, 7, 13, 20), _sample(0.7, 1, 7, 13, 20),   # 1/7: 0.6 to 0.9 s,
+             _sample(0.9, 1, 7, 13, 20),                               # flat, no step
+             _sample(1.0, 8, 3, 60, 21), _sample(1.5, 8, 3, 60, 40),   # every slot taken: the
+             _sample(2.5, 8, 3, 60, 80), _sample(2.6, 8, 0, 60, 81)]   # slot limit, left out
+    assert fx.longest_steady_wait(trace, 8) == {
+        "start_s": 0.6, "end_s": 0.9, "running": 1, "waiting": 7, "blocks_used": 13,
+        "engine_steps": 0}
+    # a stretch that runs to the trace's end counts too; none waiting with a slot free: None
+    assert fx.longest_steady_wait(trace[:2] + [_sample(1.5, 4, 2, 30, 90)], 8)["engine_steps"] == 85
+    assert fx.longest_steady_wait([_sample(0.0, 1, 0, 3, 1)], 8) is None
+    assert fx.longest_steady_wait([_sample(0.0, 8, 3, 60, 1), _sample(0.1, 8, 3, 60, 2)], 8) is None
+
+
+def test_the_steady_wait_is_read_as_one_step_steps_or_the_slot_limit():
+    flat = {"start_s": 12.69, "end_s": 13.96, "running": 1.0, "waiting": 7.0, "blocks_used": 13.0,
+            "engine_steps": 0.0}
+    one_step = fx.steady_wait_reading(flat, 8)
+    assert "from 12.7 to 14.0 s (1 running, 7 waiting, 13 blocks used)" in one_step
+    assert "all 8 slots taken" in one_step and "holds no engine step at all" in one_step
+    assert "engine steps" not in one_step
+    steps = fx.steady_wait_reading(flat | {"engine_steps": 36.0}, 8)
+    assert "held 36 engine steps" in steps and "no engine step" not in steps
+    assert fx.steady_wait_reading(None, 4).startswith("Sequences waited only while all 4 slots")
 
 
 @pytest.mark.slow

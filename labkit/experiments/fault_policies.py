@@ -416,7 +416,7 @@ def mix_request_rows(seed: int, mix: Scenario, text_chars: int = 30) -> list[dic
 
 def mix_summary(seed: int, mix: Scenario) -> dict:
     """One table row for a :func:`random_mix` run: how its requests ended, why its well-formed
-    ones failed, and what `/health` counted (restarts, replays) around the kill."""
+    ones failed (with the `engine_died` ones that had shown their client no chunk), and what `/health` counted (restarts, replays) around the kill."""
     ended = Counter(o.ended for o in mix.outcomes)
     failed = Counter(o.code for o in mix.outcomes if o.kind != "bad" and o.ended == "error")
     # the well-formed requests sent after the kill: accepted (into the dead worker, then
@@ -428,6 +428,10 @@ def mix_summary(seed: int, mix: Scenario) -> dict:
     return {"seed": seed, "requests": len(mix.outcomes), "answered": ended["answer"], "left": ended["left"],
             "bad": sum(o.kind == "bad" for o in mix.outcomes), "failed": sum(failed.values()),
             "engine_unavailable": failed["engine_unavailable"], "engine_died": failed["engine_died"],
+            # a request the engine had given tokens ends so even if its client saw none (a
+            # whole request): the front end replays only one that had received nothing
+            "engine_died with nothing shown": sum(o.code == "engine_died" and not o.chunks
+                                                  for o in mix.outcomes),
             "worker restarts": mix.counters["worker_restarts"], "replays": mix.counters["replays"],
             "open at the kill": mix.counters["open_at_kill"] or 0,
             "streams with chunks at the kill": mix.counters["streams_with_chunks_at_kill"] or 0,

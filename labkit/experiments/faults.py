@@ -171,27 +171,52 @@ async def _sample_state(poller, url, trace: list, stop: asyncio.Event, every: fl
         await asyncio.sleep(every)
 
 
-def longest_steady_wait(trace: list[dict]) -> dict | None:
+def longest_steady_wait(trace: list[dict], slots: int) -> dict | None:
     """The longest stretch of consecutive `trace` samples (:func:`_sample_state`) in which
-    sequences waited and neither the running nor the waiting count changed: its first and
-    last sample's times, those counts, the KV blocks used at both ends, and how far the
+    sequences waited while a slot was free (fewer than `slots` running: with every slot taken,
+    the slot limit explains the wait) and neither the running count, the waiting count nor
+    the KV blocks in use changed, so that the exhaustion figure is flat in its panels of
+    both: its first and last sample's times, those counts, the blocks, and how far the
     engine's step counter moved across it. The worker publishes its gauges after each step,
     so a stretch with no step at all is one step that ran that long, the gauges showing the
-    state from before it; None when no sample had a sequence waiting."""
+    state from before it; None when no sample had a sequence waiting with a slot free."""
+    def key(row):
+        return (row["running"], row["waiting"], row["kv_blocks_used"])
     best, start = None, None
     for i, row in enumerate(trace + [None]):
-        key = None if row is None else (row["running"], row["waiting"])
-        if start is not None and key != (trace[start]["running"], trace[start]["waiting"]):
+        if start is not None and (row is None or key(row) != key(trace[start])):
             first, last = trace[start], trace[i - 1]
             if best is None or last["t_s"] - first["t_s"] > best["end_s"] - best["start_s"]:
                 best = {"start_s": first["t_s"], "end_s": last["t_s"], "running": first["running"],
-                        "waiting": first["waiting"], "blocks_at_start": first["kv_blocks_used"],
-                        "blocks_at_end": last["kv_blocks_used"],
+                        "waiting": first["waiting"], "blocks_used": first["kv_blocks_used"],
                         "engine_steps": last["engine_steps"] - first["engine_steps"]}
             start = None
-        if start is None and row is not None and (row["waiting"] or 0) > 0:
+        if start is None and row is not None and (row["waiting"] or 0) > 0 and (row["running"] or 0) < slots:
             start = i
     return best
+
+
+def steady_wait_reading(flat: dict | None, slots: int) -> str:
+    """The chapter's sentence on :func:`longest_steady_wait`'s stretch: one step that ran the
+    whole stretch when the step counter did not move, otherwise steps that ran while the
+    waiting sequences were not admitted; when sequences waited only with every slot taken,
+    that the slot limit held them."""
+    if flat is None:
+        return (f"Sequences waited only while all {slots} slots were taken: the slot limit "
+                "(`--max-num-seqs`) held them.")
+    stretch = (f"Leaving out the samples with all {slots} slots taken (there the slot limit, "
+               "`--max-num-seqs`, explains the wait), the longest stretch with sequences "
+               "waiting and no count changing in panels (a) and (b), from "
+               f"{flat['start_s']:.1f} to {flat['end_s']:.1f} s "
+               f"({flat['running']:.0f} running, {flat['waiting']:.0f} waiting, "
+               f"{flat['blocks_used']:.0f} blocks used),")
+    if flat["engine_steps"] == 0:
+        return (f"{stretch} holds no engine step at all (the step counter in the same samples "
+                "did not move): one step ran that long, and `/metrics` showed the state from "
+                "before it; which work made that step so long, this trace does not show.")
+    return (f"{stretch} held {flat['engine_steps']:.0f} engine steps (the step counter in the "
+            "same samples): the engine ran on while the waiting sequences were not admitted; "
+            "why the scheduler held them there, this run does not trace.")
 
 
 # -- the near-tie rule for answers of two numerical paths ----------------------------------------

@@ -15,7 +15,8 @@ is when it reached the worker, and the wait for the step in progress is counted 
 streams' buffers.
 
 If the worker dies, or hangs (it has work and has sent nothing for `hang_timeout` seconds:
-it is killed), the front end notices within `poll_interval` seconds, ends the streams
+it is killed), the front end notices at its next look (it looks every `poll_interval`
+seconds, when its event loop gets to it; a busy loop looks later), ends the streams
 that had already received tokens with an error (those tokens cannot be taken back, so they
 are never retried), keeps the requests that had received nothing, starts a new worker, and
 submits those once more, except those whose client cancelled meanwhile (their abort had no
