@@ -210,16 +210,18 @@ time.sleep(3)  # {token}: the host finds this process by it
 """
 
 
-def stat_of_process_with(token: str, within_s: float = 15.0) -> list[str] | None:
-    """/proc/PID/stat's fields (from the state on) of the live process whose argv holds `token`."""
+def stat_of_process_with(token: str, within_s: float = 15.0) -> tuple[list[str], str | None] | None:
+    """/proc/PID/stat's fields (from the state on) of the live process whose argv holds `token`,
+    and its /proc/PID/autogroup line (None on a kernel without autogroups)."""
     end = time.monotonic() + within_s
     while time.monotonic() < end:
         for name in os.listdir("/proc"):
             try:
                 if name.isdigit() and token.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
                     fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+                    group = Path(f"/proc/{name}/autogroup")
                     if fields[0] != "Z":
-                        return fields
+                        return fields, group.read_text().strip() if group.exists() else None
             except OSError:
                 continue
         time.sleep(0.05)
@@ -259,7 +261,12 @@ def test_the_tool_runs_at_the_lowest_cpu_priority_and_cannot_leave_it(sandbox):
     assert lines[0] == f"{policy} 19"  # inside: os.sched_getscheduler(0), os.nice(0)
     assert lines[1:] == ["nice refused", "policy refused"]
     assert host is not None, "the tool's process was not seen on the host"
-    assert (int(host[16]), int(host[38])) == (19, policy)  # the host's view: nice, policy
+    stat, group = host
+    assert (int(stat[16]), int(stat[38])) == (19, policy)  # the host's view: nice, policy
+    if group is not None:  # a session of its own whose group the scheduler weighs at nice 19
+        ours = Path("/proc/self/autogroup").read_text().strip()
+        assert group.endswith(" nice 19") and group.split()[0] != ours.split()[0], (group, ours)
+        assert "autogroup nice 19" in box.last_priority.split(";")[0], box.last_priority
 
 
 def test_the_tool_inherits_no_descriptor_but_its_three(sandbox):

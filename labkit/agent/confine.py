@@ -30,10 +30,11 @@ on exec, so the tool cannot forge them): the tool's exit code or signal, or why 
 Why the lowest CPU priority: the rlimits bound a run's CPU *time*, not its share of the cores
 while it uses that time, and a fork bomb's processes or a busy loop would otherwise take the
 cores from the server that runs the model (chapter 34 saw it answer nothing for the 4 s of an
-attack). So P0 sets nice 19 and, where the kernel allows, SCHED_IDLE (a very small weight: it
-runs mostly on cores that nothing else wants) before anything else; every process of the run
-inherits both, and RLIMIT_NICE 0 keeps the tool from climbing back. A cgroup would cap the
-share outright, but a process in a container rarely may make one.
+attack). So P0 sets its autogroup's nice to 19 (the kernel shares cores between session groups
+before it looks at a task's nice), nice 19 and, where the kernel allows, SCHED_IDLE (a very
+small weight: it runs mostly on cores that nothing else wants) before anything else; every
+process of the run inherits both, and RLIMIT_NICE 0 keeps the tool from climbing back. A cgroup
+would cap the share outright, but a process in a container rarely may make one.
 """
 
 from __future__ import annotations
@@ -246,7 +247,8 @@ def set_limits(limits: dict) -> None:
 
 
 def lowest_priority() -> str:
-    """nice 19 and SCHED_IDLE for this process (and so for all it starts); says what was applied."""
+    """nice 19 and SCHED_IDLE for this process (and so for all it starts), and nice 19 for its
+    autogroup; says what was applied."""
     applied, refused = [], []
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # raising one's own nice needs no privilege
@@ -258,6 +260,18 @@ def lowest_priority() -> str:
         applied.append("SCHED_IDLE")
     except (OSError, AttributeError) as e:  # AttributeError: a Python built without it
         refused.append(f"SCHED_IDLE ({getattr(e, 'strerror', None) or e})")
+    # Where the kernel groups tasks by session (sched_autogroup_enabled), this run's new
+    # session is a group of its own that the scheduler shares the cores with *as a peer* of the
+    # server's group, whatever its tasks' nice or policy: six runs at once held the server to a
+    # seventh of them. The group's own nice (raising it needs no privilege) lowers its weight.
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+        applied.append("autogroup nice 19")
+    except FileNotFoundError:
+        pass  # a kernel without autogroups: the task's own priority is all there is
+    except OSError as e:
+        refused.append(f"autogroup nice 19 ({e.strerror})")
     text = "applied: " + (", ".join(applied) or "nothing")
     return text + ("; refused: " + ", ".join(refused) if refused else "")
 

@@ -9,8 +9,9 @@ stdout and stderr read together up to `Limits.output_bytes`, and the whole proce
 killed with SIGKILL at the wall-clock limit or past the output limit. Killing the group kills
 the namespace's pid 1, and the kernel then kills every process in the namespace, including
 any that left the group. The launcher first drops the run to the lowest CPU priority (nice 19,
-SCHED_IDLE where the kernel allows; `confine.lowest_priority`), so a tool that spins or forks
-takes the cores mostly when nothing else, the server included, wants them. How it ended
+SCHED_IDLE where the kernel allows, and its session's autogroup nice 19;
+`confine.lowest_priority`), so a tool that spins or forks takes the cores mostly when nothing
+else, the server included, wants them. How it ended
 becomes one `ErrorKind`, from the launcher's status pipe (which the tool cannot write) and
 what this side saw, never from the tool's own words (one exception, said at MEMORY_EXIT_CODE).
 """
