@@ -145,23 +145,23 @@ class ServedMeanwhile:
     def p90_difference(self) -> tuple[float, float, str]:
         """The 90th percentile of the client's latency under attack minus quiet, for each pair
         of windows: the lowest, the highest, and the shared verdict ("more": every pair slower)."""
-        pairs = [p90(a.latencies()) - p90(q.latencies())
-                 for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
-        return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
+        return self.per_pair(lambda q, a: p90(a.latencies()) - p90(q.latencies()))
 
     def rate_difference(self) -> tuple[float, float, str]:
         """Requests per second under attack minus quiet, for each pair of windows: the lowest,
         the highest, and the shared verdict on that range ("less": every pair lost)."""
-        pairs = [a.completed_per_s() - q.completed_per_s()
-                 for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
-        return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
+        return self.per_pair(lambda q, a: a.completed_per_s() - q.completed_per_s())
 
     def answer_rate_difference(self) -> tuple[float, float, str]:
         """Answers per second while the escapes ran minus the quiet window's requests per
         second, for each pair: the lowest, the highest, and the shared verdict ("less": every
         pair answered more slowly while the escapes ran)."""
-        pairs = [a.answer_rate() - q.completed_per_s()
-                 for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
+        return self.per_pair(lambda q, a: a.answer_rate() - q.completed_per_s())
+
+    def per_pair(self, difference: Callable[[Window, Window], float]) -> tuple[float, float, str]:
+        """`difference(quiet, attack)` for each pair of windows: the lowest, the highest, and
+        the shared verdict on that range."""
+        pairs = [difference(q, a) for q, a in zip(self.of_kind("quiet"), self.of_kind("attack"))]
         return min(pairs), max(pairs), verdict(min(pairs), max(pairs))
 
     def rows(self) -> list[dict]:
