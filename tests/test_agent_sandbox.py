@@ -212,7 +212,7 @@ time.sleep(3)  # {token}: the host finds this process by it
 
 def stat_of_process_with(token: str, within_s: float = 15.0) -> tuple[list[str], str | None] | None:
     """/proc/PID/stat's fields (from the state on) of the live process whose argv holds `token`,
-    and its /proc/PID/autogroup line (None on a kernel without autogroups)."""
+    and its /proc/PID/autogroup line (None on a kernel without autogroups, empty in the root group)."""
     end = time.monotonic() + within_s
     while time.monotonic() < end:
         for name in os.listdir("/proc"):
@@ -263,9 +263,11 @@ def test_the_tool_runs_at_the_lowest_cpu_priority_and_cannot_leave_it(sandbox):
     assert host is not None, "the tool's process was not seen on the host"
     stat, group = host
     assert (int(stat[16]), int(stat[38])) == (19, policy)  # the host's view: nice, policy
-    if group is not None:  # a session of its own whose group the scheduler weighs at nice 19
-        ours = Path("/proc/self/autogroup").read_text().strip()
-        assert group.endswith(" nice 19") and group.split()[0] != ours.split()[0], (group, ours)
+    if group:  # a session of its own whose group the scheduler weighs at nice 19
+        # the kernel prints nothing for a task left in the root group (a container's first
+        # session, as CI's pytest may be): then any group of the tool's is not ours
+        ours = Path("/proc/self/autogroup").read_text().split()[:1]
+        assert group.endswith(" nice 19") and group.split()[:1] != ours, (group, ours)
         assert "autogroup nice 19" in box.last_priority.split(";")[0], box.last_priority
 
 
