@@ -122,6 +122,13 @@ def test_sliding_window_mask_is_transformers():
     # decode: the last query alone, against every cached key, sees the same window
     last = windowed_attention(q[..., -1:, :], k, v, steps - 1, window, 0.3)
     assert torch.allclose(last, expected[..., -1:, :], atol=1e-6)
+    # a chunk after cached positions: queries 6..8 over keys 0..8
+    chunk = windowed_attention(q[..., 6:9, :], k[:, :, :9], v[:, :, :9], 6, window, 0.3)
+    assert torch.allclose(chunk, expected[..., 6:9, :], atol=1e-6)
+    # a window wider than the prompt hides nothing (the causal kernel's path): plain causal
+    causal = scores.masked_fill(positions[None, :] > positions[:, None], float("-inf"))
+    wide = windowed_attention(q, k, v, 0, steps, 0.3)
+    assert torch.allclose(wide, causal.softmax(-1) @ v.unsqueeze(2), atol=1e-6)
 
 
 def test_kv_cache_across_the_window_equals_full_pass(gemma):

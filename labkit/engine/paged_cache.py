@@ -269,12 +269,6 @@ def _padded_tables(segments: list[Segment]) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """What `grouped_attention(q, k, v, 0)` computes, for a prompt attending to itself: the
-    KV heads are repeated for their query heads so SDPA can use its causal kernel, which
-    skips the masked half instead of building a mask. q [1, kv, group, T, D]; k, v [1, kv, T, D]."""
-    batch, kv_heads, group, steps, dim = q.shape
-    heads = kv_heads * group
-    k = k[:, :, None].expand(batch, kv_heads, group, steps, dim).reshape(batch, heads, steps, dim)
-    v = v[:, :, None].expand(batch, kv_heads, group, steps, dim).reshape(batch, heads, steps, dim)
-    out = F.scaled_dot_product_attention(q.reshape(batch, heads, steps, dim), k, v, is_causal=True)
-    return out.view(batch, kv_heads, group, steps, dim)
+    """A prompt attending to itself: `grouped_attention(q, k, v, 0)`, SDPA's causal kernel
+    reading each KV head for its query heads. q [1, kv, group, T, D]; k, v [1, kv, T, D]."""
+    return grouped_attention(q, k, v, 0)

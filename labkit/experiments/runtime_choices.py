@@ -26,7 +26,8 @@ step where both had seen the same tokens) is checked against the bound instead.
 Runtimes on the model itself (a contiguous cache, one prompt at a time unless padded):
 
 - ``baseline``: whole-prompt prefill, a preallocated cache read up to its filled length,
-  PyTorch SDPA with an explicit causal mask (``labkit.models.llama.grouped_attention``);
+  PyTorch SDPA's causal kernel for a whole prompt, the chunk's mask after cached positions
+  (``labkit.models.llama.grouped_attention``);
 - ``chunked(n)``: the prompt prefilled ``n`` tokens per forward call;
 - ``math attention``: softmax(QK^T / sqrt(d)) V written out (:class:`MathAttentionCache`);
 - ``static cache``: every step attends over all ``max_len`` slots with the unfilled ones

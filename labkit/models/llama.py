@@ -9,8 +9,8 @@ The weights are frozen `nn.Parameter`s (and the RoPE tables non-persistent buffe
 module that multiplies by it (a packed or quantized kernel, see `linear`). The Q/K/V
 projections are fused into one matrix and the MLP's gate/up projections into another, so
 a decode step makes fewer, larger calls.
-Grouped-query attention never copies the shared key/value heads: the queries that share
-a KV head are stacked along the sequence axis instead (see `grouped_attention`).
+Grouped-query attention never copies the shared key/value heads: SDPA reads each one for
+the query heads that share it (see `grouped_attention`).
 """
 
 from __future__ import annotations
@@ -109,17 +109,23 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q: [B, kv_heads, group, T, D] for positions q_start .. q_start+T-1
     k, v: [B, kv_heads, S, D] for positions 0 .. S-1
     returns [B, kv_heads, group, T, D]
-    """
+
+    Query head kv * group + g reads KV head kv: SDPA's `enable_gqa` layout, so K/V are read
+    in place. A prompt attending to itself (q_start 0) passes `is_causal`, which lets the
+    kernel skip the masked half of the score square; a chunk after cached positions passes
+    its [T, S] mask (the kernel then scores the whole rectangle). An explicit mask on a
+    whole prompt cost 2.3-2.7x the causal flag at 2,048-4,096 tokens (chapter 8)."""
     batch, kv_heads, group, steps, dim = q.shape
     keys = k.shape[2]
-    stacked = q.reshape(batch, kv_heads, group * steps, dim)
-    mask = None
-    if steps > 1:
-        q_pos = torch.arange(q_start, q_start + steps, device=q.device).repeat(group)  # row r: position r % T
-        mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[:, None]
-    elif q_start + 1 < keys:
-        raise ValueError("decode query must be the last cached position")
-    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask)
+    if q_start + steps != keys:
+        raise ValueError(f"queries at {q_start}..{q_start + steps - 1} must end at the last of {keys} keys")
+    heads = q.reshape(batch, kv_heads * group, steps, dim)
+    if steps == 1 or q_start == 0:
+        out = F.scaled_dot_product_attention(heads, k, v, is_causal=steps > 1, enable_gqa=True)
+    else:
+        positions = torch.arange(keys, device=q.device)
+        mask = positions[None, :] <= positions[q_start:, None]  # [T, S]: query i sees keys j <= i
+        out = F.scaled_dot_product_attention(heads, k, v, attn_mask=mask, enable_gqa=True)
     return out.reshape(batch, kv_heads, group, steps, dim)
 
 

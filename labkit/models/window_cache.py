@@ -54,14 +54,21 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_star
     k, v: [B, kv_heads, S, D] for positions 0 .. S-1
     """
     batch, kv_heads, group, steps, dim = q.shape
-    q_pos = torch.arange(q_start, q_start + steps, device=q.device)[:, None]
-    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
-    visible = k_pos <= q_pos
+    keys = k.shape[2]
+    if q_start + steps != keys:
+        raise ValueError(f"queries at {q_start}..{q_start + steps - 1} must end at the last of {keys} keys")
+    heads = q.reshape(batch, kv_heads * group, steps, dim)  # head kv * group + g reads KV head kv
+    if window is None or keys <= window:  # the window hides nothing: plain causal attention
+        if steps == 1 or q_start == 0:  # the kernel skips the masked half of the square
+            out = F.scaled_dot_product_attention(heads, k, v, is_causal=steps > 1, scale=scale,
+                                                 enable_gqa=True)
+            return out.reshape(q.shape)
+    positions = torch.arange(keys, device=q.device)
+    q_pos, k_pos = positions[q_start:, None], positions[None, :]
+    visible = k_pos <= q_pos  # [T, S]
     if window is not None:
         visible &= (k_pos > q_pos - window) | (k_pos < sinks)
-    stacked = q.reshape(batch, kv_heads, group * steps, dim)  # row r: position r % T
-    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=visible.repeat(group, 1),
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(heads, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
     return out.reshape(q.shape)
 
 
