@@ -194,6 +194,16 @@ def test_decode_helpers_on_a_tiny_model():
     model = Llama(config, state)
     assert model.layers[0].qkv.shape[::-1] == sweeps.model_gemv_shapes(config)["qkv"]
     assert sweeps.decode_matmul_pass(model)().shape == (1, 64)
+    assert sweeps.decode_matmul_pass(model, rows=3)().shape == (3, 64)  # a prefill's rows
+    with pytest.raises(ValueError):
+        sweeps.decode_matmul_pass(model, rows=0)
+    from labkit.kernels.packed import pack_model
+
+    packed = pack_model(model)  # the engine's kernels: the same products as F.linear
+    for rows in (1, 3):
+        torch.testing.assert_close(sweeps.decode_matmul_pass(packed, rows=rows)(),
+                                   sweeps.decode_matmul_pass(model, rows=rows)(),
+                                   rtol=1e-4, atol=1e-4)
     step = sweeps.decode_step_fn(model, [1, 2, 3], next_id=5)
     first, second = step(), step()
     assert first.shape == (1, 1, 64)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from labkit.models.llama import linear
 from labkit.util.compare import MIN_SAMPLES, compare
 from labkit.util.machine import cpu_caches  # noqa: F401 - the chapters' sweeps.cpu_caches()
 from labkit.util.timing import Timing, measure
@@ -473,25 +474,30 @@ def gemv_calls_per_token(config) -> dict[str, int]:
             "down": config.num_layers, "lm_head": 1}
 
 
-def decode_matmul_pass(model) -> Callable[[], torch.Tensor]:
+def decode_matmul_pass(model, rows: int = 1) -> Callable[[], torch.Tensor]:
     """A function that performs exactly the weight matmuls of one decode step of `model`
-    (a labkit Llama) on its own weights, in its own layout (``F.linear``), with fixed random
-    activations of the right widths, and nothing else: no norms, attention, RoPE or cache.
-    Timing it gives the matmul part of a decode step with the same memory traffic."""
+    (a labkit Llama) on its own weights, in its own layout and through its own kernel
+    (``F.linear``, or the layer's module where the weights are packed, as
+    :func:`labkit.models.llama.linear` does), with fixed random activations of the right
+    widths, and nothing else: no norms, attention, RoPE or cache. Timing it gives the matmul
+    part of a decode step with the same memory traffic. With `rows` > 1 every product takes
+    that many rows, as a prefill of `rows` tokens does."""
+    if rows < 1:
+        raise ValueError(f"rows must be at least 1, got {rows}")
     generator = torch.Generator().manual_seed(0)
     hidden = model.config.hidden_size
-    h = _random((1, hidden), generator, model.dtype, "cpu")
-    attn = _random((1, model.config.num_heads * model.config.head_dim), generator, model.dtype, "cpu")
-    act = _random((1, model.config.intermediate_size), generator, model.dtype, "cpu")
+    h = _random((rows, hidden), generator, model.dtype, "cpu")
+    attn = _random((rows, model.config.num_heads * model.config.head_dim), generator, model.dtype, "cpu")
+    act = _random((rows, model.config.intermediate_size), generator, model.dtype, "cpu")
 
     def run() -> torch.Tensor:
         with torch.inference_mode():
             for layer in model.layers:
-                F.linear(h, layer.qkv)
-                F.linear(attn, layer.o_proj)
-                F.linear(h, layer.gate_up)
-                F.linear(act, layer.down)
-            return F.linear(h, model.lm_head)
+                linear(h, layer.qkv)
+                linear(attn, layer.o_proj)
+                linear(h, layer.gate_up)
+                linear(act, layer.down)
+            return linear(h, model.lm_head)
 
     return run
 
