@@ -1,6 +1,6 @@
 # The book and its lab. The two commands a reader needs:
 #   make book   set up, then render the book from the stored notebook outputs
-#   make test   set up, then run the unit tests and the notebooks (ci profile)
+#   make test   set up, then check for stale records, run the unit tests and the notebooks (ci profile)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
