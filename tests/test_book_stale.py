@@ -31,7 +31,8 @@ def chapter_text(prose: str = "Some prose.", code: str = CODE) -> str:
 FILES = {
     "_config.yml": "title: test\n",
     "labkit/__init__.py": "",
-    "labkit/top.py": "def run():\n    from labkit import mid  # a lazy import still runs\n    return mid.value()\n",
+    "labkit/top.py": ("def run():\n    from labkit import mid  # a lazy import still runs\n"
+                      "    return mid.value()\n"),
     "labkit/mid.py": "from .pkg import deep\n\n\ndef value():\n    return deep.VALUE\n",
     "labkit/pkg/__init__.py": "",
     "labkit/pkg/deep.py": "VALUE = 1\nWORKER = 'labkit.worker'\nSOURCES = ('kernel.c',)\n",
@@ -127,6 +128,20 @@ def test_allow_list_entry_excuses_and_unused_entry_fails(repo):
     status, out = stale(repo, unused)
     assert status == EXIT_STALE
     assert "(labkit/worker.py) excuses nothing now" in out
+
+
+def test_allow_list_excuses_a_code_cell_edit_by_file(repo):
+    source = "notebooks/ch01-a-chapter.md"
+    commit(repo, "comment", {source: chapter_text(code="# a comment\n" + CODE)})
+    status, out = stale(repo, f'[[allow]]\nchapter = 1\nfiles = ["{source}"]\nreason = "a comment only"\n')
+    assert status == EXIT_OK, out
+
+
+def test_code_cells_that_do_not_parse_are_not_fresh(repo):
+    sha = commit(repo, "broken", {"notebooks/ch01-a-chapter.md": chapter_text(code=CODE + "\nprint(")})
+    status, out = stale(repo)
+    assert status == EXIT_STALE
+    assert "do not parse as Python" in out and f"{sha[:7]} broken" in out
 
 
 def test_allow_list_without_reason_is_refused(repo):

@@ -175,15 +175,15 @@ def code_changes(root: Path, revision: str, head: str, source: str) -> list[Caus
     if now is None:
         return []  # not committed yet: nothing to compare
     if then is None:
-        return [Cause("", f"{source} did not exist at the record's revision {revision[:7]}", (source,))]
+        return [Cause("", f"it did not exist at the record's revision {revision[:7]}", (source,))]
     if code_cells(then) == code_cells(now):
         return []
     causes = []
     for cause in changes(root, revision, head, (source,)):
         before = show(root, f"{cause.commit}^", source)
         if before is None or code_cells(before) != code_cells(show(root, cause.commit, source) or ""):
-            causes.append(Cause(cause.commit, cause.subject, (f"{source} (code cells)",)))
-    return causes or [Cause("", "code cells differ from the record's revision", (f"{source} (code cells)",))]
+            causes.append(Cause(cause.commit, cause.subject, (source,)))
+    return causes or [Cause("", "its code cells differ from the record's revision", (source,))]
 
 
 # --------------------------------------------------------------------------------------
@@ -260,9 +260,12 @@ def judge(root: Path, repository: Repository, number: int, source: str, head: st
         state.causes.append(Cause("", f"the record's revision {state.revision[:7]} is not an "
                                       "ancestor of HEAD: its provenance is broken", ()))
         return state
-    inputs = chapter_inputs(root, repository, source)
     causes = code_changes(root, state.revision, head, source)
-    causes += changes(root, state.revision, head, inputs.files)
+    try:
+        causes += changes(root, state.revision, head, chapter_inputs(root, repository, source).files)
+    except SyntaxError as exc:  # its imports cannot be read, so it cannot be judged fresh
+        causes.append(Cause("", f"its code cells do not parse as Python (line {exc.lineno}: {exc.msg}); "
+                                "its imports are unknown", (source,)))
     entries = [e for e in allow.entries if e.chapter == number]
     for cause in causes:
         open_files = []

@@ -42,7 +42,8 @@ def _cause_lines(state: ChapterState, limit: int | None) -> list[str]:
     lines = []
     for cause in shown:
         lines.append(f"      {cause.short} {_subject(cause.subject)}")
-        lines += [f"              {file}" for file in cause.files]
+        lines += [f"              {file}{' (code cells)' if file == state.source else ''}"
+                  for file in cause.files]
     if len(shown) < len(state.causes):
         lines.append(f"      ... and {len(state.causes) - len(shown)} older commit(s) (--verbose lists them)")
     return lines
