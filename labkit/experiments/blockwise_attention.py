@@ -172,7 +172,8 @@ def compare_methods(methods: dict[str, Callable[..., torch.Tensor]], lengths, *,
     repeats, threads, samples_s (every timed call, seconds, for
     :func:`labkit.util.compare.compare`), peak_bytes, result_bytes, extra_bytes (peak minus
     the output), fresh_sizes and fresh_bytes (CPU: allocations mapped fresh on every call,
-    see :class:`AllocationPeak`; None on CUDA), score_bytes (one score tensor, the formula), naive_model_bytes, skipped."""
+    see :class:`AllocationPeak`; None on CUDA), score_bytes (one score tensor, the
+    formula), naive_model_bytes, skipped."""
     from labkit.experiments.attention_cost import AttentionShape, attention_inputs, naive_peak_model
     from labkit.util.timing import measure, num_threads, synchronize
     from labkit.kernels.attention import score_tensor_bytes
