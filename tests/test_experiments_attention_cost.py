@@ -106,6 +106,8 @@ def test_naive_peak_memory_covers_the_score_tensor_and_sdpa_does_not():
     assert naive["peak_rss_bytes"] >= naive["formula_bytes"]
     assert naive["peak_rss_bytes"] <= 1.1 * naive["naive_model_bytes"]  # two tensors + masks
     assert fused["peak_rss_bytes"] < naive["formula_bytes"] / 4
+    # and not vacuously: a fused call holds at least its output, or nothing was measured
+    assert fused["peak_seen"] and fused["peak_rss_bytes"] >= fused["output_bytes"]
 
 
 def test_enable_gqa_path_matches_labkit_sdpa():
