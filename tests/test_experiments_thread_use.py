@@ -109,9 +109,9 @@ def test_helper_words_direction():
 def test_engine_kernel_name_follows_the_rows_and_the_build(monkeypatch):
     monkeypatch.setattr(native, "load", lambda: object())
     assert tu.engine_kernel_name(1) == "labkit's C gemv"
-    assert tu.engine_kernel_name(native.MAX_ROWS + 1) == "oneDNN kernel (packed weights)"
+    assert tu.engine_kernel_name(native.MAX_ROWS + 1) == "oneDNN with packed weights"
     monkeypatch.setattr(native, "load", lambda: None)
-    assert tu.engine_kernel_name(1) == "oneDNN kernel (packed weights)"
+    assert tu.engine_kernel_name(1) == "oneDNN with packed weights"
 
 
 def test_every_path_computes_the_product_of_its_rows():
@@ -120,6 +120,7 @@ def test_every_path_computes_the_product_of_its_rows():
     weights = [torch.randn(48, 32, generator=g) for _ in range(2)]
     one, many = torch.randn(1, 32, generator=g), torch.randn(5, 32, generator=g)
     assert {"F.linear(x, W) on 1 row", "x @ W_t on 1 row", "F.linear(x, W) on 5 rows"} <= set(paths)
+    assert f"{tu.engine_kernel_name(1)} on 1 row" in paths  # oneDNN is in the PyPI wheels
     for name, fn in paths.items():
         x = many if name.endswith("5 rows") else one
         for call in range(4):  # the calls cycle through the copies: 1, 0, 1, 0
@@ -139,23 +140,23 @@ def records(speedup, low, high, name="p"):
 def test_path_records_rates_and_verdicts():
     use = tu.ThreadUse("p", 2, 10, 1.0, 1.0, 0.02)
     [row] = tu.path_records(records(2.0, 1.9, 2.1), {"p": use}, bytes_read=4_000_000)
-    assert row["ms_1t"] == pytest.approx(4.0) and row["ms_2t"] == pytest.approx(2.0)
-    assert row["gbps_1t"] == pytest.approx(1.0) and row["gbps_2t"] == pytest.approx(2.0)
+    assert row["one_thread_ms"] == pytest.approx(4.0) and row["two_threads_ms"] == pytest.approx(2.0)
+    assert row["one_thread_gb_s"] == pytest.approx(1.0) and row["two_threads_gb_s"] == pytest.approx(2.0)
     assert row["verdict"] == "faster" and row["phrase"].startswith("2.00 times faster")
-    assert row["second_thread_cpu"] == pytest.approx(0.02)
+    assert row["second_thread_cpu_share"] == pytest.approx(0.02)
     [flat] = tu.path_records(records(1.0, 0.95, 1.05), {}, bytes_read=4_000_000)
-    assert flat["verdict"] == "within the noise" and math.isnan(flat["second_thread_cpu"])
+    assert flat["verdict"] == "within the noise" and math.isnan(flat["second_thread_cpu_share"])
 
 
 def test_split_words_names_the_idle_and_the_working_paths():
-    idle = {"path": "F.linear(x, W) on 1 row", "speedup": 1.01, "second_thread_cpu": 0.0}
-    busy = {"path": "engine", "speedup": 1.9, "second_thread_cpu": 0.95}
+    idle = {"path": "F.linear(x, W) on 1 row", "speedup": 1.01, "second_thread_cpu_share": 0.0}
+    busy = {"path": "engine", "speedup": 1.9, "second_thread_cpu_share": 0.95}
     mixed = tu.split_words([idle, busy])
     assert mixed.startswith("F.linear(x, W) on 1 row (1.01x) left the second thread idle")
     assert mixed.endswith("engine (1.90x) handed it work")
     assert tu.split_words([busy]).startswith("every path handed")
     assert tu.split_words([idle]).startswith("no path handed")
-    assert "could not be read" in tu.split_words([idle, {**busy, "second_thread_cpu": math.nan}])
+    assert "could not be read" in tu.split_words([idle, {**busy, "second_thread_cpu_share": math.nan}])
 
 
 def test_shortfall_splits_the_missing_half():

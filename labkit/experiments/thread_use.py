@@ -131,7 +131,7 @@ def engine_kernel_name(rows: int) -> str:
     float32 product of `rows` rows on this machine."""
     if rows <= native.MAX_ROWS and native.load() is not None:
         return "labkit's C gemv"
-    return "oneDNN kernel (packed weights)"
+    return "oneDNN with packed weights"
 
 
 def product_paths(in_features: int, out_features: int, *, many_rows: int = 64,
@@ -163,7 +163,7 @@ def product_paths(in_features: int, out_features: int, *, many_rows: int = 64,
     if can_pack(weights[0]):
         packed = [PackedLinear(w) for w in weights]
         for rows, x in ((1, one), (many_rows, many)):
-            label = f"the engine's {engine_kernel_name(rows)} on {rows} row{'s' * (rows > 1)}"
+            label = f"{engine_kernel_name(rows)} on {rows} row{'s' * (rows > 1)}"
             paths[label] = cycling(lambda i, x=x: packed[i](x))
     return paths
 
@@ -183,13 +183,13 @@ def path_records(timings: Sequence[Mapping[str, Any]], uses: Mapping[str, Thread
         use = uses.get(name)
         gain = Comparison("two threads", "one thread", two["speedup"], two["speedup_low"],
                           two["speedup_high"], CONFIDENCE, two["repeats"], one["repeats"])
-        rows.append({"path": name, "ms_1t": one["median_s"] * 1e3, "ms_2t": two["median_s"] * 1e3,
-                     "gbps_1t": bytes_read / one["median_s"] / 1e9,
-                     "gbps_2t": bytes_read / two["median_s"] / 1e9,
+        rows.append({"path": name, "one_thread_ms": one["median_s"] * 1e3, "two_threads_ms": two["median_s"] * 1e3,
+                     "one_thread_gb_s": bytes_read / one["median_s"] / 1e9,
+                     "two_threads_gb_s": bytes_read / two["median_s"] / 1e9,
                      "speedup": two["speedup"], "speedup_low": two["speedup_low"],
                      "speedup_high": two["speedup_high"],
                      "verdict": gain.verdict, "phrase": gain.phrase(),
-                     "second_thread_cpu": float("nan") if use is None else use.helper_share})
+                     "second_thread_cpu_share": float("nan") if use is None else use.helper_share})
     return rows
 
 
@@ -200,9 +200,9 @@ def split_words(records: Sequence[Mapping[str, Any]]) -> str:
         items = [f"{r['path']} ({r['speedup']:.2f}x)" for r in group]
         return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
-    idle = [r for r in records if r["second_thread_cpu"] < IDLE_SHARE]
-    working = [r for r in records if r["second_thread_cpu"] >= IDLE_SHARE]
-    unread = [r for r in records if r["second_thread_cpu"] != r["second_thread_cpu"]]
+    idle = [r for r in records if r["second_thread_cpu_share"] < IDLE_SHARE]
+    working = [r for r in records if r["second_thread_cpu_share"] >= IDLE_SHARE]
+    unread = [r for r in records if r["second_thread_cpu_share"] != r["second_thread_cpu_share"]]
     if unread:
         return ("the threads' CPU times could not be read here, so only the timings say "
                 "which paths used the second thread")
