@@ -10,6 +10,8 @@
                                      the OpenAI-compatible HTTP service (labkit.serve)
     labkit book run [--profile ci|full] [CHAPTER ...]
     labkit book build
+    labkit book stale [CHAPTER ...] [--verbose]
+                                     records older than the code they describe (exit 1)
 """
 
 from __future__ import annotations
@@ -141,6 +143,11 @@ def _cmd_book(args) -> int:
         return runner.run_chapters(profile=args.profile, chapters=args.chapters or None)
     if args.action == "build":
         return runner.build_book()
+    if args.action == "stale":
+        from labkit.book.profile import find_repo_root
+        from labkit.book.stale_report import run_stale
+
+        return run_stale(find_repo_root(), args.chapters or None, verbose=args.verbose)
     chapters = args.chapters or None
     runner.sync_install_cells(chapters=chapters)
     for source in runner.resolve_chapters(chapters):  # every cell of the .md into its .ipynb
@@ -223,9 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.set_defaults(func=_cmd_model)
 
     book = sub.add_parser("book", help="run the chapters, build the book")
-    book.add_argument("action", choices=["run", "build", "sync"])
+    book.add_argument("action", choices=["run", "build", "sync", "stale"])
     book.add_argument("chapters", nargs="*")
     book.add_argument("--profile", choices=["ci", "full"], default="full")
+    book.add_argument("--verbose", action="store_true", help="stale: every commit, pending chapters too")
     book.set_defaults(func=_cmd_book)
 
     bench = sub.add_parser("bench", help="benchmark the serving engine against its baselines")

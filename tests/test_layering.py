@@ -133,3 +133,21 @@ def test_the_walker_sees_each_spelling(source, target, upward):
         assert bool(private_imports(probe)) is ("_group" in source)
     finally:
         probe.unlink()
+
+
+# The tokenizer package's own order (its __init__ lists it): each module imports only those
+# before it, so the backends never reach back into the Tokenizer that picks them.
+TOKENIZER_ORDER = ["contract", "byte_level", "sentencepiece", "detokenizer", "gguf_tokenizer"]
+
+
+def test_the_tokenizer_package_runs_one_way():
+    folder = PACKAGE / "tokenizer"
+    assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(TOKENIZER_ORDER)
+    wrong = []
+    for rank, name in enumerate(TOKENIZER_ORDER):
+        for line, target, _ in imports(folder / f"{name}.py"):
+            parts = target.split(".")
+            if parts[:2] == ["labkit", "tokenizer"]:
+                if len(parts) < 3 or TOKENIZER_ORDER.index(parts[2]) >= rank:
+                    wrong.append(f"tokenizer/{name}.py:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)

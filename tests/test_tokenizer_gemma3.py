@@ -1,7 +1,7 @@
 """Gemma 3's SentencePiece tokenizer from its GGUF: same ids as transformers, llama.cpp and SentencePiece.
 
 The references agree with each other except in narrow places, documented in
-``labkit/tokenizer_spm.py`` and pinned here: runs of more than 31 spaces (transformers differs),
+``labkit/tokenizer/sentencepiece.py`` and pinned here: runs of more than 31 spaces (transformers differs),
 a literal "▁" next to a space (llama.cpp differs) and the decoding of invalid UTF-8 from byte
 tokens (transformers differs). We follow SentencePiece, which sides with llama.cpp on the first
 and third and with transformers on the second. Besides, llama.cpp makes Gemma's user-defined
@@ -68,9 +68,9 @@ CORPUS = [
     "\n" * 40 + "x",
 ]
 
-# transformers splits runs of 32 or more spaces differently (see labkit/tokenizer_spm.py).
+# transformers splits runs of 32 or more spaces differently (see labkit/tokenizer/sentencepiece.py).
 LONG_SPACE_RUNS = [" " * 32 + "x", " " * 33 + "x", " " * 40, "if x:\n" + " " * 64 + "return"]
-# llama.cpp tokenizes a literal "▁" next to a space differently (see labkit/tokenizer_spm.py).
+# llama.cpp tokenizes a literal "▁" next to a space differently (see labkit/tokenizer/sentencepiece.py).
 LITERAL_SPACE_MARKS = ["literal ▁ and ▁▁ and ▁▁▁x", "a ▁b", "▁ ", "  ▁▁  "]
 
 
@@ -225,7 +225,7 @@ def test_rare_characters_fall_back_to_bytes(tok):
         assert ids == [FIRST_BYTE_TOKEN + b for b in char.encode("utf-8")], char
         assert tok.decode(ids) == char
     assert tok.decode([FIRST_BYTE_TOKEN + 0xE6]) == "\ufffd"  # a lone lead byte is invalid UTF-8
-    # A stray byte after a character spelled in bytes spoils only itself (see tokenizer_spm).
+    # A stray byte after a character spelled in bytes spoils only itself (see labkit/tokenizer/sentencepiece.py).
     ids = tok.encode("\u416b") + [FIRST_BYTE_TOKEN + 0xB3] + tok.encode("é")
     assert tok.decode(ids) == "\u416b\ufffdé"
 
@@ -273,7 +273,7 @@ def test_stream_matches_decode(tok):
 
 
 def test_stream_matches_decode_for_arbitrary_ids(tok):
-    """Invalid UTF-8 included: later ids never change the text of earlier ones (see tokenizer_spm)."""
+    """Invalid UTF-8 included: later ids never change the text of earlier ones (see labkit/tokenizer/sentencepiece.py)."""
     for ids in _random_ids(seed=7, count=300):
         for skip in (False, True):
             assert "".join(_stream(tok, ids, skip)) == tok.decode(ids, skip_special_tokens=skip), ids

@@ -14,19 +14,22 @@ Two shapes of problem:
 - ``decode``: ``q_len == 1`` against ``kv_len == length`` cached keys and values (one new
   token), where the score tensor is tiny and the time is spent reading K and V.
 
-Memory is measured with :class:`labkit.util.timing.PeakMemory` around the timed calls:
-on the CPU, the peak resident set size (RSS) above the level before the calls; on CUDA,
-the allocator's peak above what was allocated before (exact, not sampled). Each call frees
-its temporaries before the next one starts, so the peak over several calls is the peak of
-one call. RSS counts pages the process took from the operating system: tensors smaller
-than glibc's mmap threshold (up to 32 MiB) can reuse pages the process already holds and
-then do not show at all, so read the CPU numbers for large tensors only.
+Memory is measured with :class:`ResidentPeak` around one call: on the CPU, the growth of
+the process's resident set size (RSS) at its peak, read from the kernel's high-water mark
+(exact to the page, not sampled) after glibc has returned the free pages of its heap to
+the kernel. That release matters: memory an earlier run freed but the C heap kept can
+serve a tensor without any growth of the resident set, and every fused-kernel peak of
+this chapter once read zero that way. A peak below the call's own output is still a
+failed measurement (``peak_seen`` is False) and the chapter reports it as NOT_RUN. On
+CUDA the allocator's peak above what was allocated before is used (exact).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -34,11 +37,76 @@ import torch
 import torch.nn.functional as F
 
 from labkit.util.machine import last_level_cache_bytes  # noqa: F401 - the chapter's ac.last_level_cache_bytes()
+from labkit.util.machine import isa_flags
 from labkit.util.timing import PeakMemory, measure, num_threads, synchronize
 from labkit.kernels.attention import causal_mask, naive_attention, score_tensor_bytes, sdpa_attention
 
 GiB = 2**30
 MiB = 2**20
+
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _status_bytes(field: str) -> int:
+    with open(_STATUS) as status:
+        return int(re.search(rf"{field}:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+def release_free_heap() -> bool:
+    """Ask glibc to return the free pages of every malloc arena to the kernel
+    (``malloc_trim(0)``); False where there is no glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)  # its result says whether anything was released, not whether it could be
+    return True
+
+
+class ResidentPeak:
+    """Growth of the resident set while a block runs, at its peak, exact to the page.
+
+    On Linux: collect garbage, return the heap's free pages to the kernel (unless
+    ``release_free=False``), reset the kernel's high-water mark to the current RSS (write
+    ``5`` to ``/proc/self/clear_refs``), run the block, read ``VmHWM``. Nothing is sampled,
+    so a short-lived tensor is not missed; and since freed heap memory no longer sits in
+    the resident set, a tensor that reuses it shows. Elsewhere it falls back to
+    :class:`labkit.util.timing.PeakMemory` (sampled every millisecond). ``method`` says
+    which ran; ``delta_bytes`` is the result.
+
+        with ResidentPeak() as peak:
+            attention(q, k, v)
+        peak.delta_bytes
+    """
+
+    def __init__(self, release_free: bool = True):
+        self.release_free = release_free
+        self.delta_bytes = 0
+        self.method = ""
+        self._start = 0
+        self._sampler: PeakMemory | None = None
+
+    def __enter__(self) -> "ResidentPeak":
+        gc.collect()
+        released = self.release_free and release_free_heap()
+        try:
+            with open(_CLEAR_REFS, "w") as refs:
+                refs.write("5")
+            self._start = _status_bytes("VmRSS")
+            self.method = "high-water mark" + (", free heap released" if released else "")
+        except OSError:
+            self._sampler = PeakMemory().__enter__()
+            self.method = "sampled every ms" + (", free heap released" if released else "")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._sampler is not None:
+            self._sampler.__exit__(*exc)
+            self.delta_bytes = self._sampler.rss_delta_bytes
+        else:
+            self.delta_bytes = max(_status_bytes("VmHWM") - self._start, 0)
 
 
 @dataclass(frozen=True)
@@ -157,14 +225,13 @@ def naive_peak_model(shape: AttentionShape, q_len: int, kv_len: int,
 def default_schedule(length: int) -> tuple[int, int]:
     """``(warmup, repeats)`` for a problem of ``length`` tokens: long runs are slow and
     large, so they are repeated less (from 4,096 tokens the only untimed call is the one that
-    measures memory; from 8,192 one timed call)."""
+    measures memory), but never fewer than three timed calls, the fewest from which
+    :func:`labkit.util.compare.compare` draws an interval."""
     if length <= 1024:
         return 1, 5
     if length <= 2048:
         return 1, 3
-    if length <= 4096:
-        return 0, 2
-    return 0, 1
+    return 0, 3
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -187,18 +254,21 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
                       *, dtype: torch.dtype = torch.float32, repeats: int | None = None,
                       warmup: int | None = None, causal: bool = True,
                       device: str | torch.device = "cpu", seed: int = 0,
-                      threads: int | None = None, memory_fraction: float = 0.7) -> dict:
+                      threads: int | None = None, memory_fraction: float = 0.7,
+                      release_free: bool = True) -> dict:
     """Measure one attention implementation's peak memory, then time it.
 
     The inputs are built first (they are not counted). The first call runs alone inside
-    :class:`~labkit.util.timing.PeakMemory` (so the memory sampler never competes with the
-    timed calls) and is the first warm-up call; then ``warmup - 1`` more untimed and
-    ``repeats`` timed calls go through :func:`~labkit.util.timing.measure` (at least one
+    :class:`ResidentPeak` (``release_free`` as there; False reproduces the failed
+    measurement of a heap that kept freed memory) and is the first warm-up call; then
+    ``warmup - 1`` more untimed and ``repeats`` timed calls go through :func:`~labkit.util.timing.measure` (at least one
     untimed call always happens: ``warmup=0`` means only the memory call). Returns a
     flat record: the problem (impl, shape fields, mode, dtype, device, q_len, kv_len), the
     timing (``median_s``, ``p25_s``, ``p75_s``, ``spread``, ``repeats``, ``warmup``,
-    ``threads``), the memory (``peak_rss_bytes``; ``peak_cuda_bytes`` on CUDA, else None;
-    ``peak_bytes``, the one of them that is exact for the device), the formulas
+    ``threads``), the memory (``peak_rss_bytes`` and ``memory_method``; ``peak_cuda_bytes``
+    on CUDA, else None; ``peak_bytes``, the one of them that is exact for the device;
+    ``peak_seen``, whether it is at least the call's own output, without which it is a
+    failed measurement), the formulas
     (``formula_bytes`` = one score tensor, ``formula_softmax_bytes``, ``output_bytes``,
     ``kv_bytes``, ``naive_model_bytes``) and ``kv_gb_per_s`` (K/V bytes over the median
     time). When the naive path's predicted peak exceeds ``memory_fraction`` of the free
@@ -223,7 +293,8 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
         "naive_model_bytes": naive_peak_model(shape, q_len, kv_len, dtype),
         "median_s": None, "p25_s": None, "p75_s": None, "spread": None, "repeats": 0,
         "warmup": warmup, "threads": None, "peak_rss_bytes": None, "peak_cuda_bytes": None,
-        "peak_bytes": None, "kv_gb_per_s": None, "skipped": None,
+        "peak_bytes": None, "memory_method": None, "peak_seen": None, "kv_gb_per_s": None,
+        "skipped": None,
     }
     needed = record["naive_model_bytes"] if impl_name == "naive" else 4 * sizes["output"]
     available = _available_bytes(device)
@@ -242,7 +313,9 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
     on_cuda = device.type == "cuda"
     cuda_start = torch.cuda.memory_allocated(device) if on_cuda else 0
     with num_threads(threads):  # the first call: memory measured, and a warm-up for timing
-        with PeakMemory(device=device if on_cuda else None) as peak:
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with ResidentPeak(release_free=release_free) as peak:
             call()
             synchronize(device if on_cuda else None)
     timing = measure(call, name=f"{impl_name} {shape.name} {q_len}x{kv_len}",
@@ -254,19 +327,22 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
         "median_s": timing.median, "p25_s": timing.quantile(0.25),
         "p75_s": timing.quantile(0.75), "spread": timing.spread, "repeats": len(timing.samples),
         "warmup": max(warmup, 1),
-        "threads": timing.threads, "peak_rss_bytes": peak.rss_delta_bytes,
+        "threads": timing.threads, "peak_rss_bytes": peak.delta_bytes,
+        "memory_method": "CUDA allocator peak" if on_cuda else peak.method,
         "kv_gb_per_s": sizes["kv"] / timing.median / 1e9,
     })
     if on_cuda:
-        record["peak_cuda_bytes"] = peak.cuda_peak_bytes - cuda_start
+        record["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device) - cuda_start
     record["peak_bytes"] = record["peak_cuda_bytes"] if on_cuda else record["peak_rss_bytes"]
+    record["peak_seen"] = record["peak_bytes"] >= sizes["output"]
     return record
 
 
 def sweep(lengths: Iterable[int], impls: Sequence[str], shape: AttentionShape,
           mode: str = "prefill", *, dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu", repeats: int | None = None,
-          warmup: int | None = None, seed: int = 0, threads: int | None = None) -> list[dict]:
+          warmup: int | None = None, seed: int = 0, threads: int | None = None,
+          release_free: bool = True) -> list[dict]:
     """:func:`measure_attention` for every length and implementation, one at a time
     (each run deletes its tensors and collects garbage before the next).
 
@@ -282,8 +358,41 @@ def sweep(lengths: Iterable[int], impls: Sequence[str], shape: AttentionShape,
         for name in impls:
             records.append(measure_attention(name, shape, q_len, length, dtype=dtype,
                                              repeats=repeats, warmup=warmup, device=device,
-                                             seed=seed, threads=threads))
+                                             seed=seed, threads=threads,
+                                             release_free=release_free))
     return records
+
+
+SIXTEEN_BIT_ARITHMETIC = {
+    "bfloat16": (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")),
+    "float16": (("avx512_fp16", "AVX512-FP16"), ("amx_fp16", "AMX-FP16")),
+}
+"""The CPU flags (as /proc/cpuinfo spells them) of instructions that multiply and add in
+each 16-bit format. F16C only converts float16 to and from float32, so it is not one."""
+
+
+def sixteen_bit_arithmetic(flags: Iterable[str] | None = None) -> dict[str, list[str]]:
+    """For bfloat16 and float16, the instruction sets among ``flags`` (default: this CPU's,
+    :func:`labkit.util.machine.isa_flags`) that compute in that format."""
+    have = set(isa_flags() if flags is None else flags)
+    return {fmt: [name for flag, name in sets if flag in have]
+            for fmt, sets in SIXTEEN_BIT_ARITHMETIC.items()}
+
+
+def bf16_instruction_phrase(flags: Iterable[str] | None = None) -> tuple[bool, str]:
+    """Whether this CPU has bfloat16 arithmetic instructions, and a clause that says so
+    from its flags (it follows "bfloat16, "): "for which this CPU has arithmetic
+    instructions (AVX512-BF16, AMX-BF16), as it has for float16 (AVX512-FP16)", or "for
+    which this CPU has no arithmetic instructions (...)"."""
+    formats = sixteen_bit_arithmetic(flags)
+    bf16, fp16 = formats["bfloat16"], formats["float16"]
+    fp16_text = f"float16 ({', '.join(fp16)})" if fp16 else ""
+    if bf16:
+        text = f"for which this CPU has arithmetic instructions ({', '.join(bf16)})"
+        return True, text + (f", as it has for {fp16_text}" if fp16 else "")
+    text = ("for which this CPU has no arithmetic instructions (neither AVX512-BF16 nor "
+            "AMX-BF16: its products are computed in float32 or emulated)")
+    return False, text + (f"; it has them for {fp16_text}" if fp16 else "")
 
 
 def ulp(value: float, dtype: torch.dtype) -> float:
@@ -341,7 +450,8 @@ def agreement(shape: AttentionShape, lengths: Iterable[int], dtypes: Sequence[to
 
 def records_frame(records: Sequence[dict]):
     """A pandas DataFrame of sweep records with readable columns added: ``length``
-    (kv_len), ``median_ms``, ``peak_mib``, ``formula_mib`` (one score tensor),
+    (kv_len), ``median_ms``, ``peak_mib`` (NaN, like ``peak_bytes``, where the peak was
+    not seen: below the call's output), ``formula_mib`` (one score tensor),
     ``peak_over_formula``, ``peak_over_model`` (measured / :func:`naive_peak_model`, which
     describes the naive path only) and ``kv_mib``."""
     import pandas as pd
@@ -349,7 +459,10 @@ def records_frame(records: Sequence[dict]):
     df = pd.DataFrame(list(records))
     df["length"] = df["kv_len"]
     df["median_ms"] = df["median_s"].astype(float) * 1e3
-    df["peak_mib"] = df["peak_bytes"].astype(float) / MiB
+    # a peak below the call's own output is a failed measurement: no number, never zero
+    seen = df["peak_seen"].fillna(False).astype(bool) if "peak_seen" in df else True
+    df["peak_bytes"] = df["peak_bytes"].astype(float).where(seen)
+    df["peak_mib"] = df["peak_bytes"] / MiB
     df["formula_mib"] = df["formula_bytes"] / MiB
     df["peak_over_formula"] = df["peak_bytes"].astype(float) / df["formula_bytes"]
     df["peak_over_model"] = df["peak_bytes"].astype(float) / df["naive_model_bytes"]
@@ -516,7 +629,8 @@ def plot_decode_bandwidth(ax, df, cache_bytes: int | None = None) -> None:
 
 __all__ = [
     "AttentionShape", "SMOLLM2", "MHA12", "IMPLEMENTATIONS", "sdpa_enable_gqa",
-    "attention_inputs", "element_bytes", "formula_bytes", "naive_peak_model",
+    "ResidentPeak", "release_free_heap", "SIXTEEN_BIT_ARITHMETIC", "sixteen_bit_arithmetic",
+    "bf16_instruction_phrase", "attention_inputs", "element_bytes", "formula_bytes", "naive_peak_model",
     "default_schedule", "measure_attention", "sweep", "ulp", "reference_attention", "agreement",
     "GiB", "MiB", "last_level_cache_bytes", "records_frame", "formula_table", "speedups",
     "largest_complete_length", "rate_fall", "closer_phrase", "plot_memory",

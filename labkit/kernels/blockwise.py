@@ -35,10 +35,13 @@ D]``, k and v ``[B, KV, S, D]`` with ``H`` a multiple of ``KV`` (grouped-query a
 the ``H // KV`` query heads of a group are stacked against their one KV head, no KV copy),
 causal masks aligned to the end of the keys.
 
-This is a teaching kernel. FlashAttention's speed comes from doing all of the above inside
-one GPU kernel, with each tile in on-chip memory; a Python loop issues several separate
-PyTorch operations per tile, each of which writes its result to memory, so it keeps the
-memory saving and loses the speed.
+This is a teaching kernel. FlashAttention does all of the above inside one GPU kernel, with
+each tile in on-chip memory; a Python loop issues several separate PyTorch operations per
+tile, each of which writes its result to memory. On a GPU, where each of them is a kernel
+launch, the loop keeps the memory saving and loses the speed; on a CPU it can still beat
+naive attention, which computes, allocates and streams whole score tensors. Which share
+of a speed-up belongs to the algorithm and which to the fused kernel is a measurement
+(chapter 13), not a property of either.
 """
 
 from __future__ import annotations

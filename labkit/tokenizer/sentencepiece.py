@@ -46,7 +46,7 @@ when a later byte arrives. SentencePiece and llama.cpp join the bytes and replac
 ones: ``"䅫"`` spelled in bytes, then a stray ``<0xB3>``, is ``"䅫"`` and one U+FFFD, not four
 U+FFFD (llama.cpp returns the bytes; SentencePiece writes one U+FFFD per invalid byte). We decode
 that way, with :class:`SentencePieceDecoder`: it is the model's own tokenizer's answer, and it
-keeps the guarantee :class:`labkit.tokenizer.IncrementalDetokenizer` relies on, that later ids
+keeps the guarantee :class:`labkit.tokenizer.detokenizer.IncrementalDetokenizer` relies on, that later ids
 never change the text of earlier ones except to complete a character. For valid text all agree.
 
 Our merges are transformers' (``gemma_tokenizer`` in ``transformers/integrations/gguf``), in the
@@ -59,12 +59,14 @@ before BPE runs can never apply.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers
 
-from labkit.tokenizer import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED, TokenizerBuildError
+from labkit.tokenizer.contract import (SUPPORTED_MODELS, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL,
+                                       TOKEN_TYPE_USER_DEFINED, TokenizerBuildError)
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's spelling of a space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -163,6 +165,34 @@ def sentencepiece_backend(
     if user_defined:
         backend.add_tokens(user_defined)
     return backend
+
+
+def sentencepiece_backend_from_fields(fields: Mapping[str, Any], source: str = "") -> tuple[tokenizers.Tokenizer, bool]:
+    """The ``"llama"`` (SentencePiece BPE) backend from the GGUF's fields, and whether it puts a
+    space before the text (a :class:`~labkit.tokenizer.contract.BackendBuilder`)."""
+
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    scores = fields.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) == 0:
+        # SentencePiece BPE ranks its merges by these; without them we cannot rebuild it.
+        raise TokenizerBuildError(
+            f"a SentencePiece tokenizer needs tokenizer.ggml.scores, and {source or 'the file'} has none "
+            f"(supported: {SUPPORTED_MODELS})"
+        )
+    token_types = fields.get("tokenizer.ggml.token_type")
+    if token_types is None or len(token_types) == 0:
+        token_types = [TOKEN_TYPE_NORMAL] * len(tokens)
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    # llama.cpp's default for a SentencePiece vocabulary that does not say is to add the space.
+    add_space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    backend = sentencepiece_backend(
+        tokens,
+        [float(s) for s in scores],
+        [int(t) for t in token_types],
+        unk_token_id=None if unk is None else int(unk),
+        add_space_prefix=add_space_prefix,
+    )
+    return backend, add_space_prefix
 
 
 class SentencePieceDecoder:

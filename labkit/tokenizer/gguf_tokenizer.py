@@ -4,31 +4,10 @@ A GGUF file carries no ``tokenizer.json``; it stores the pieces of one under lla
 names: the vocabulary (``tokenizer.ggml.tokens``), the BPE merges (``tokenizer.ggml.merges``),
 each token's type (``tokenizer.ggml.token_type``: 1 normal, 3 control, 4 user-defined), the
 special ids, the name of the pre-tokenizer (``tokenizer.ggml.pre``) and the chat template.
-:func:`build_backend` puts these back together with the ``tokenizers`` library. Two kinds of
-tokenizer are supported, named by ``tokenizer.ggml.model``: ``"gpt2"``, byte-level BPE (SmolLM2),
-described here, and ``"llama"``, SentencePiece BPE (Gemma 3), described in
-:mod:`labkit.tokenizer_spm`. For byte-level BPE:
-
-* model: byte-level BPE (``models.BPE``) with the file's vocabulary and merges, no unknown
-  token (every byte has a token, so nothing is ever unknown);
-* pre-tokenizer: for ``"smollm"`` the one in SmolLM2's own ``tokenizer.json``, a
-  ``Sequence`` of ``Digits(individual_digits=True)`` then
-  ``ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)``. llama.cpp does the
-  same for ``"smollm"`` (``\\p{N}`` isolated, then the GPT-2 regex). For ``"gpt2"`` it is the
-  ``ByteLevel`` pre-tokenizer alone;
-* decoder: ``ByteLevel`` (token characters back to bytes, then UTF-8 with U+FFFD for invalid
-  bytes);
-* added tokens: every control token (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ...)
-  as a *special* added token and every user-defined one as a plain added token, so that they are
-  matched whole in text instead of being cut into pieces, and ``skip_special_tokens`` drops them.
-
-This matches what ``transformers`` builds from the same file, except in one place, on purpose:
-transformers (5.x) gives a ``"smollm"`` file the plain ``ByteLevel`` pre-tokenizer, without the
-``Digits`` step. The vocabulary has no token with a digit in it besides the ten digits, so the
-two agree except where a run of two or more whitespace characters comes right before a digit
-(``"x  1"``, ``"\\n\\n2"``): SmolLM2's own tokenizer, and llama.cpp, keep the whole run together
-(``"ĠĠ"``, ``"ĊĊ"``) while transformers' GGUF tokenizer splits off its last character. We
-follow the model's own tokenizer. ``tests/test_tokenizer.py`` pins both facts.
+:func:`build_backend` puts these back together with the ``tokenizers`` library through the
+builder of the file's kind (``tokenizer.ggml.model``): ``"gpt2"``, byte-level BPE (SmolLM2), in
+:mod:`labkit.tokenizer.byte_level`, and ``"llama"``, SentencePiece BPE (Gemma 3), in
+:mod:`labkit.tokenizer.sentencepiece`.
 
 Building takes seconds, mostly reading the GGUF (Gemma 3's 262,144 tokens: about 12 s to read,
 2 s to build), so :meth:`Tokenizer.from_gguf` keeps the result in
@@ -36,9 +15,6 @@ Building takes seconds, mostly reading the GGUF (Gemma 3's 262,144 tokens: about
 derived from the GGUF's resolved path, size and modification time, so editing or replacing the
 file gives a new key. A warm load reads those two files (tens of milliseconds; about a second
 for Gemma 3).
-
-:class:`IncrementalDetokenizer` turns a stream of generated ids into a stream of text; its
-docstring describes the method.
 """
 
 from __future__ import annotations
@@ -49,87 +25,25 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-# Bump when the way we build the tokenizer (or what meta.json holds) changes: old caches are
-# then ignored, because the key changes.
-FORMAT_VERSION = 1
+from labkit.tokenizer.byte_level import byte_level_backend
+from labkit.tokenizer.contract import (FORMAT_VERSION, SUPPORTED_MODELS, BackendBuilder, TokenizerBuildError,
+                                       TokenizerMeta)
+from labkit.tokenizer.detokenizer import IncrementalDetokenizer
+from labkit.tokenizer.sentencepiece import SentencePieceDecoder, sentencepiece_backend_from_fields
 
-# GGUF token types (llama.cpp's llama_token_type, which are SentencePiece's piece types).
-TOKEN_TYPE_NORMAL = 1
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-
-SUPPORTED_MODELS = "byte-level BPE (tokenizer.ggml.model = 'gpt2') and SentencePiece BPE ('llama')"
-
-# llama.cpp's names for pre-tokenizers whose regexes are "\p{N}" then the GPT-2 regex.
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "codeshell"})
-_GPT2_ONLY = frozenset({"gpt2"})
-
-REPLACEMENT_CHAR = "\ufffd"
-
-
-class TokenizerBuildError(ValueError):
-    """The GGUF describes a tokenizer we cannot (or do not yet) build."""
+# The builder of each kind of tokenizer, by the file's tokenizer.ggml.model.
+BUILDERS: dict[str, BackendBuilder] = {"gpt2": byte_level_backend, "llama": sentencepiece_backend_from_fields}
 
 
 # --------------------------------------------------------------------------------------------
 # Building from GGUF metadata
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenizerMeta:
-    """What a tokenizer needs besides ``tokenizer.json``: special ids, BOS policy, chat template."""
-
-    bos_token_id: int | None
-    eos_token_id: int | None
-    unk_token_id: int | None = None
-    pad_token_id: int | None = None
-    add_bos_token: bool = False
-    add_eos_token: bool = False
-    chat_template: str | None = None
-    tokenizer_model: str = "gpt2"
-    pre_tokenizer: str | None = None
-    # SentencePiece only: whether a "▁" is put before the text (None for byte-level BPE). The
-    # backend's normalizer adds it; Tokenizer.decode reads this to take it off. A meta.json from
-    # before this field loads as None, right for the byte-level files that alone were cached
-    # then, so FORMAT_VERSION did not need to change.
-    add_space_prefix: bool | None = None
-    source: str = ""  # where it was built from, for messages only
-    format_version: int = FORMAT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> TokenizerMeta:
-        data = json.loads(text)
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's table from bytes to the printable characters byte-level BPE spells them with."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("\xa1"), ord("\xac") + 1))
-        + list(range(ord("\xae"), ord("\xff") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
 
 
 def read_gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
@@ -140,31 +54,14 @@ def read_gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
     return {key: fld.contents() for key, fld in reader.fields.items() if key.startswith("tokenizer.")}
 
 
-def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _GPT2_ONLY:
-        return byte_level
-    supported = ", ".join(sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY))
-    raise TokenizerBuildError(
-        f"GGUF pre-tokenizer {pre!r} is not supported (its split regex is not implemented here); "
-        f"supported: {supported}"
-    )
-
-
 def build_backend(fields: Mapping[str, Any], source: str = "") -> tuple[tokenizers.Tokenizer, TokenizerMeta]:
     """A ``tokenizers.Tokenizer`` and its :class:`TokenizerMeta` from GGUF ``tokenizer.*`` fields."""
     model_type = fields.get("tokenizer.ggml.model")
-    add_space_prefix = None
-    if model_type == "gpt2":
-        backend = _byte_level_backend(fields)
-    elif model_type == "llama":
-        backend, add_space_prefix = _sentencepiece_backend(fields, source)
-    else:
+    if model_type not in BUILDERS:
         raise TokenizerBuildError(
             f"only {SUPPORTED_MODELS} tokenizers are supported, but {source or 'the file'} has {model_type!r}"
         )
+    backend, add_space_prefix = BUILDERS[model_type](fields, source)
     if backend.get_vocab_size(with_added_tokens=True) != len(fields["tokenizer.ggml.tokens"]):
         raise TokenizerBuildError(
             f"built a vocabulary of {backend.get_vocab_size(with_added_tokens=True)} tokens, "
@@ -191,102 +88,6 @@ def build_backend(fields: Mapping[str, Any], source: str = "") -> tuple[tokenize
         source=source,
     )
     return backend, meta
-
-
-def _sentencepiece_backend(fields: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, bool]:
-    """The ``"llama"`` (SentencePiece BPE) backend, and whether it puts a space before the text."""
-    from labkit.tokenizer_spm import sentencepiece_backend  # it builds on this module's names
-
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    scores = fields.get("tokenizer.ggml.scores")
-    if scores is None or len(scores) == 0:
-        # SentencePiece BPE ranks its merges by these; without them we cannot rebuild it.
-        raise TokenizerBuildError(
-            f"a SentencePiece tokenizer needs tokenizer.ggml.scores, and {source or 'the file'} has none "
-            f"(supported: {SUPPORTED_MODELS})"
-        )
-    token_types = fields.get("tokenizer.ggml.token_type")
-    if token_types is None or len(token_types) == 0:
-        token_types = [TOKEN_TYPE_NORMAL] * len(tokens)
-    unk = fields.get("tokenizer.ggml.unknown_token_id")
-    # llama.cpp's default for a SentencePiece vocabulary that does not say is to add the space.
-    add_space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-    backend = sentencepiece_backend(
-        tokens,
-        [float(s) for s in scores],
-        [int(t) for t in token_types],
-        unk_token_id=None if unk is None else int(unk),
-        add_space_prefix=add_space_prefix,
-    )
-    return backend, add_space_prefix
-
-
-def _byte_level_backend(fields: Mapping[str, Any]) -> tokenizers.Tokenizer:
-    """The ``"gpt2"`` (byte-level BPE) backend described in the module docstring."""
-    pre = fields.get("tokenizer.ggml.pre")
-    pre_tokenizer = _pre_tokenizer_for(pre)
-
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    token_types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens))
-    if len(token_types) != len(tokens):
-        raise TokenizerBuildError(f"{len(tokens)} tokens but {len(token_types)} token types")
-    raw_merges = fields.get("tokenizer.ggml.merges")
-    if not raw_merges:
-        raise TokenizerBuildError("byte-level BPE needs tokenizer.ggml.merges, and the file has none")
-
-    # Every real token is spelled in the byte alphabet. One that is not (llama.cpp writes a few
-    # as plain text) is re-spelled from its UTF-8 bytes, as transformers does.
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-
-    def spelled(token: str) -> str:
-        if set(token) <= alphabet:
-            return token
-        return "".join(spelling[b] for b in token.encode("utf-8"))
-
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(spelled(token), index)
-    merges = []
-    for merge in raw_merges:
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise TokenizerBuildError(f"malformed merge {merge!r}")
-        merges.append((parts[0], parts[1]))
-
-    backend = tokenizers.Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=False,
-        )
-    )
-    backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizer
-    backend.decoder = decoders.ByteLevel()
-
-    # Control tokens become special added tokens (matched whole, skippable); a control token not
-    # spelled in the byte alphabet is a llama.cpp mislabel and is left alone (as transformers does).
-    control = [
-        AddedToken(tok, normalized=False, special=True)
-        for tok, kind in zip(tokens, token_types)
-        if kind == TOKEN_TYPE_CONTROL and set(tok) <= alphabet
-    ]
-    if control:
-        backend.add_special_tokens(control)
-    user_defined = [
-        AddedToken(tok, normalized=False, special=False)
-        for tok, kind in zip(tokens, token_types)
-        if kind == TOKEN_TYPE_USER_DEFINED and tok in vocab
-    ]
-    if user_defined:
-        backend.add_tokens(user_defined)
-    return backend
 
 
 def cache_key(path: str | os.PathLike) -> str:
@@ -329,7 +130,7 @@ class Tokenizer:
         self.meta = meta
         self._template = None
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        self._sentencepiece_decoder = None  # built on first decode; see labkit.tokenizer_spm
+        self._sentencepiece_decoder = None  # built on first decode; see labkit.tokenizer.sentencepiece
         self._plain_backend = None  # built on first parse_special=False; see _backend_for
 
     # -- construction -------------------------------------------------------------------------
@@ -504,10 +305,8 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         if self.meta.tokenizer_model == "llama":
             # SentencePiece's byte pieces: decode as SentencePiece does, not all-or-nothing per run
-            # as the backend's ByteFallback decoder does (see labkit.tokenizer_spm).
+            # as the backend's ByteFallback decoder does (see labkit.tokenizer.sentencepiece).
             if self._sentencepiece_decoder is None:
-                from labkit.tokenizer_spm import SentencePieceDecoder
-
                 self._sentencepiece_decoder = SentencePieceDecoder(
                     self._backend, self._special_ids, strip_prefix_space=bool(self.meta.add_space_prefix)
                 )
@@ -581,127 +380,5 @@ class Tokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, context_ids=context_ids)
 
 
-# --------------------------------------------------------------------------------------------
-# Streaming detokenization
-# --------------------------------------------------------------------------------------------
-
-
-class IncrementalDetokenizer:
-    """Turn a stream of token ids into a stream of text, emitting only text that is final.
-
-    Decoding one token at a time is wrong twice over: a character outside ASCII can be split
-    across byte tokens (decoding the first half alone gives U+FFFD), and some decoders change a
-    token's text depending on what comes before it (a leading space). So we use the
-    prefix/read-offset method of vLLM and Hugging Face's ``TextStreamer``:
-
-    * keep a small window of ids: a *prefix* of already-emitted tokens (a few, for context), then
-      the *pending* ids not emitted yet. ``read`` is where pending starts;
-    * on ``add(ids)``, decode the prefix alone and the whole window; the new text is the whole
-      window's decode minus the prefix's, by length;
-    * emit it only if it does not end in U+FFFD (an unfinished UTF-8 character may still be
-      completed by the next token). Then everything so far is final: the pending ids become the
-      new prefix (the last ``context`` of them) and pending is empty;
-    * otherwise emit nothing and wait for more ids.
-
-    Each step decodes only the window, so the work per token does not grow with the stream.
-    The window only grows while the text keeps ending in U+FFFD, which for a real stream lasts
-    at most three bytes; but arbitrary ids can produce invalid UTF-8 without end. Once more than
-    ``max_pending`` ids are pending, we release the longest part that is provably final: the
-    window cut at a point ``c`` where decoding the two sides separately gives the same text as
-    decoding them together, with text after the cut. UTF-8 decoding resynchronises, so such a cut
-    means any unfinished character before ``c`` was settled (completed or rejected) by the bytes
-    after it, and nothing that comes later can change the text before ``c``.
-
-    The concatenation of everything ``add`` returns, plus ``flush()`` at the end, equals
-    ``tokenizer.decode(all_ids)``. ``flush()`` also emits a trailing U+FFFD that was held back;
-    call it when the stream ends. (Calling it mid-stream is allowed, but if a character is split
-    at that point the halves decode separately.)
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        skip_special_tokens: bool = False,
-        context_ids: Sequence[int] = (),
-        context: int = 4,
-        max_pending: int = 16,
-    ):
-        if context < 1:
-            raise ValueError("context must be at least 1")
-        self._decode_fn = tokenizer.decode
-        self.skip_special_tokens = skip_special_tokens
-        self.context = context
-        self.max_pending = max(max_pending, 4)
-        # The window: ids[:read] were emitted already (the prefix); ids[read:] are pending.
-        self._ids: list[int] = [int(i) for i in context_ids][-context:]
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-        self.num_tokens = 0
-
-    @property
-    def window_size(self) -> int:
-        """How many ids are held (prefix plus pending); stays bounded however long the stream."""
-        return len(self._ids)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
-
-    def _advance(self, read: int) -> None:
-        """Everything before ``read`` is emitted: keep the last ``context`` of it as the prefix."""
-        start = max(0, read - self.context)
-        self._ids = self._ids[start:]
-        self._read = read - start
-        self._prefix_text = self._decode(self._ids[: self._read])
-
-    def add(self, ids: int | Iterable[int]) -> str:
-        """Feed one id or several; return the text that became final (often "")."""
-        try:
-            new = [int(i) for i in ids]  # a list, a tuple, a 1-d array or tensor
-        except TypeError:  # one id: an int, a numpy integer, a 0-d tensor
-            new = [int(ids)]
-        if not new:
-            return ""
-        self.num_tokens += len(new)
-        self._ids.extend(new)
-        text = self._decode(self._ids)
-        delta = text[len(self._prefix_text) :]
-        if not delta.endswith(REPLACEMENT_CHAR):  # includes delta == "" (ids that decode to nothing)
-            self._advance(len(self._ids))
-            return delta
-        if len(self._ids) - self._read > self.max_pending:
-            return self._release(text)
-        return ""
-
-    def _release(self, text: str) -> str:
-        """Emit the longest provably final part of a window stuck on U+FFFD (see the class docstring)."""
-        for cut in range(len(self._ids) - 1, self._read, -1):
-            before = self._decode(self._ids[:cut])
-            if len(before) <= len(self._prefix_text):
-                break
-            after = self._decode(self._ids[cut:])
-            if after and before + after == text:
-                delta = before[len(self._prefix_text) :]
-                self._advance(cut)
-                return delta
-        return ""
-
-    def flush(self) -> str:
-        """Emit whatever is held back (a trailing U+FFFD); call once the stream has ended."""
-        text = self._decode(self._ids)
-        delta = text[len(self._prefix_text) :]
-        self._advance(len(self._ids))
-        return delta
-
-
-__all__ = [
-    "FORMAT_VERSION",
-    "IncrementalDetokenizer",
-    "SUPPORTED_MODELS",
-    "Tokenizer",
-    "TokenizerBuildError",
-    "TokenizerMeta",
-    "build_backend",
-    "cache_key",
-    "read_gguf_tokenizer_fields",
-]
+__all__ = ["BUILDERS", "Tokenizer", "build_backend", "cache_key", "default_cache_dir",
+           "read_gguf_tokenizer_fields"]
