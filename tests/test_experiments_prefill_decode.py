@@ -235,6 +235,14 @@ def test_decode_line_fits_every_position_and_bounds_its_ratio():
         phases.decode_line([16, 32], [[0.1, 0.1], [0.1, 0.1]])
 
 
+def test_default_schedule_gives_compare_enough_repeats():
+    from labkit.util.compare import MIN_SAMPLES
+
+    for length in (16, 512, 1024, 2048, 4096, 8192):
+        warmup, repeats = phases.default_schedule(length)
+        assert repeats >= MIN_SAMPLES and warmup >= 0
+
+
 def test_decode_growth_words_claim_a_side_only_outside_the_interval():
     def line(ratio, low, high):
         return {"ratio": ratio, "low": low, "high": high, "confidence": 0.95}

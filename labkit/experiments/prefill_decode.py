@@ -72,12 +72,11 @@ def greedy(logits: torch.Tensor) -> int:
 
 
 def default_schedule(length: int) -> tuple[int, int]:
-    """(warmup, repeats) for a TTFT of `length` tokens: fewer repeats when one call is long."""
+    """(warmup, repeats) for a TTFT of `length` tokens: fewer repeats when one call is long,
+    never fewer than `labkit.util.compare` needs to judge a difference."""
     if length <= 512:
         return 1, 5
-    if length <= 1024:
-        return 1, 3
-    return 1, 2
+    return 1, MIN_SAMPLES
 
 
 # -- TTFT vs prompt length ---------------------------------------------------------------
