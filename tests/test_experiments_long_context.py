@@ -65,23 +65,34 @@ def test_kv_cache_bytes_match_the_caches(tiny):
 
 def test_attention_scores_by_hand():
     full = SimpleNamespace(num_layers=2, num_heads=3)
-    assert lc.attention_scores(full, 10) == 2 * 3 * 10 * 10
-    # chunks of 4: 4 x 4, then 4 x 8, then the last 2 x 10
-    assert lc.attention_scores(full, 10, 4) == 2 * 3 * (16 + 32 + 20)
+    # a whole prompt takes the causal kernel: the visible triangle, 10 x 11 / 2 = 55
+    assert lc.attention_scores(full, 10) == 2 * 3 * 55
+    # chunks of 4: the first is causal (4 x 5 / 2), then masked rectangles 4 x 8 and 2 x 10
+    assert lc.attention_scores(full, 10, 4) == 2 * 3 * (10 + 32 + 20)
     windowed = SimpleNamespace(num_layers=2, num_heads=1, layer_windows=(4, None))
-    assert lc.attention_scores(windowed, 10) == 2 * 100  # the whole pass: 10 x 10 in both
-    # the windowed layer sees at most 3 positions before a chunk: 4x4, 4x(3+4), 2x(3+2)
-    assert lc.attention_scores(windowed, 10, 4) == (16 + 28 + 10) + (16 + 32 + 20)
+    # whole: the window hides keys, so the windowed layer scores the square 10 x 10 under a
+    # mask; the full layer its triangle
+    assert lc.attention_scores(windowed, 10) == 100 + 55
+    # chunks of 4: the windowed layer sees at most 3 positions before a chunk:
+    # 4 x 5 / 2 (causal), 4 x (3+4), 2 x (3+2); the full layer as above
+    assert lc.attention_scores(windowed, 10, 4) == (10 + 28 + 10) + (10 + 32 + 20)
     assert lc.attention_scores(full, 10, 10) == lc.attention_scores(full, 10, 64)
+    # a window as wide as the prompt hides nothing: causal there too
+    assert lc.attention_scores(SimpleNamespace(num_layers=1, num_heads=1, layer_windows=(10,)),
+                               10) == 55
 
 
 def _counting_sdpa(monkeypatch):
-    """Count the query-key scores handed to SDPA: batch x heads x query rows x keys."""
+    """Count the query-key scores SDPA is asked for: batch x heads x (the triangle
+    T (T + 1) / 2 when called with is_causal, else query rows x keys)."""
     seen = []
     sdpa = F.scaled_dot_product_attention
 
     def counted(q, k, v, *args, **kwargs):
-        seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        rows, keys = q.shape[2], k.shape[2]
+        per_head = rows * (rows + 1) // 2 if kwargs.get("is_causal") else rows * keys
+        assert not kwargs.get("is_causal") or rows == keys  # the triangle needs a square
+        seen.append(q.shape[0] * q.shape[1] * per_head)
         return sdpa(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
@@ -110,6 +121,45 @@ def test_attention_scores_count_what_the_rolling_cache_computes(monkeypatch, chu
             cache.attend(layer, q, k, v)
         cache.advance(steps)
     assert sum(seen) == lc.attention_scores(config, length, chunk)
+
+
+def _bucket(start, bits, se):
+    return {"start": start, "end": 2 * start or 64, "bits_per_token": bits, "stderr": se}
+
+
+def test_two_se_change_reads_the_direction_and_the_noise():
+    ref = _bucket(512, 4.0, 0.1)
+    assert lc.two_se_change(ref, _bucket(1024, 4.5, 0.1)) == "rises"  # 0.5 > 2 x 0.141
+    assert lc.two_se_change(ref, _bucket(1024, 3.5, 0.1)) == "falls"
+    assert lc.two_se_change(ref, _bucket(1024, 4.25, 0.1)) == "level"  # 0.25 < 0.283
+    assert lc.two_se_change(ref, _bucket(1024, 3.75, 0.1)) == "level"
+
+
+def test_loss_trend_rises_when_the_last_bucket_rises_against_either():
+    # chapter 23's recorded Gemma curve: level against 512-1,024, risen against 8,192-16,384
+    rows = [_bucket(0, 4.37, 0.52), _bucket(512, 4.3155, 0.1879), _bucket(8192, 4.1363, 0.0433),
+            _bucket(16384, 4.2739, 0.0322)]
+    trend = lc.loss_trend(rows)
+    assert trend["reference"]["start"] == 512 and trend["previous"]["start"] == 8192
+    assert (trend["vs_reference"], trend["vs_previous"], trend["word"]) == ("level", "rises", "rises")
+    level = rows[:3] + [_bucket(16384, 4.15, 0.0322)]
+    assert lc.loss_trend(level)["word"] == "level"
+    falls = [_bucket(0, 5.0, 0.5), _bucket(512, 4.5, 0.05), _bucket(1024, 4.1, 0.05),
+             _bucket(2048, 4.05, 0.05)]
+    assert lc.loss_trend(falls)["word"] == "falls"  # below the reference, level to the last
+    short = [_bucket(0, 5.0, 0.5), _bucket(64, 4.0, 0.1), _bucket(128, 4.8, 0.1)]
+    assert lc.loss_trend(short)["reference"]["start"] == 64  # nothing from 512: the second
+    with pytest.raises(ValueError):
+        lc.loss_trend(short[:2])
+
+
+def test_slope_bounds_span_what_the_repeats_allow():
+    # times 1-2 s at 1,000 and 4-8 s at 2,000: the slope lies between log2(4/2) and log2(8/1)
+    (one,) = lc.slope_bounds([1000, 2000], [1.0, 4.0], [2.0, 8.0])
+    assert (one["from"], one["to"]) == (1000, 2000)
+    assert one["low"] == pytest.approx(1.0) and one["high"] == pytest.approx(3.0)
+    (single,) = lc.slope_bounds([1000, 4000], [1.0, 16.0], [1.0, 16.0])
+    assert single["low"] == single["high"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])

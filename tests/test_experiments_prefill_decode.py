@@ -166,6 +166,9 @@ def test_schedules_take_turns_and_the_verdict_follows_the_runs(tiny):
                                     short_tokens=6, long_tokens=2, arrive_after=2)
     for name in ("one pass", "chunks"):
         assert len(got[name]["ttft_s"]) == len(got[name]["prefill_s"]) == 3
+        assert len(got[name]["worst_gap_s"]) == 3
+        last_gap = phases.gap_summary(got[name]["timeline"])["worst_gap_s"]
+        assert got[name]["worst_gap_s"][-1] == last_gap
         assert got[name]["ttft_s"][-1] == phases.long_request_times(got[name]["timeline"])["ttft_s"]
     assert got["chunks"]["timeline"]["chunk"] == 8 and got["one pass"]["timeline"]["chunk"] is None
     faster = phases.chunking_verdict([1.0, 1.02, 0.98], [2.0, 2.1, 1.9])
@@ -178,19 +181,86 @@ def test_schedules_take_turns_and_the_verdict_follows_the_runs(tiny):
     assert "within the noise" in overlap and ":" not in overlap  # the prose puts it after a colon
 
 
-def test_scored_share_counts_the_scores_of_masked_attention():
+def test_prefill_scores_follow_what_the_model_hands_sdpa(tiny, monkeypatch):
+    """The score count is read independently off the real calls: a spy on SDPA counts, per
+    call, the lower triangle for `is_causal` (the kernel skips the masked half) and the whole
+    [T, S] rectangle otherwise (a mask, or a single query), in one pass and in chunks."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    counted = []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        steps, keys = q.shape[-2], k.shape[-2]
+        if is_causal:
+            assert steps == keys and attn_mask is None
+            counted.append(steps * (steps + 1) // 2)
+        else:
+            counted.append(steps * keys)
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompt = ids(10)
+    for chunk in (None, 10, 4, 3, 1):
+        counted.clear()
+        phases.chunked_prefill(tiny, prompt, chunk or len(prompt))
+        assert sum(counted) == TINY.num_layers * phases.prefill_scores(10, chunk), chunk
+    # by hand: one pass 10 x 11 / 2 = 55; chunks of 4: 4 x 5 / 2 + 4 x 8 + 2 x 10 = 62
+    assert phases.prefill_scores(10) == 55 and phases.prefill_scores(10, 4) == 62
     assert phases.scored_share(8, 8) == phases.scored_share(8, 100) == 1.0
-    assert phases.scored_share(10, 4) == pytest.approx((4 * 4 + 4 * 8 + 2 * 10) / 100)
-    assert phases.scored_share(2048, 256) == pytest.approx(256 * 256 * 36 / 2048**2)
+    assert phases.scored_share(10, 4) == pytest.approx(62 / 55)
     with pytest.raises(ValueError):
         phases.scored_share(8, 0)
 
 
-def test_decode_growth_words_compare_with_the_bytes_and_keep_a_margin():
-    assert "more than the bytes" in phases.decode_growth_words(1.58, 1.35)
-    assert "less than the bytes" in phases.decode_growth_words(1.10, 1.35)
-    assert "about as the bytes" in phases.decode_growth_words(1.40, 1.35)  # inside 10%
-    assert "about as the bytes" in phases.decode_growth_words(1.25, 1.35)
+def test_decode_line_fits_every_position_and_bounds_its_ratio():
+    positions = [16, 256, 1024, 4096]
+    samples = [[0.020, 0.030, 0.021, 0.019, 0.040],  # a noisy first position
+               [0.022, 0.021, 0.023, 0.022, 0.022],
+               [0.025, 0.026, 0.024, 0.025, 0.025],
+               [0.034, 0.035, 0.033, 0.034, 0.034]]
+    line = phases.decode_line(positions, samples)
+    # independent: the closed-form least-squares line through the medians
+    import statistics
+    meds = [statistics.median(s) for s in samples]
+    mp, mt = statistics.fmean(positions), statistics.fmean(meds)
+    b = (sum((p - mp) * (t - mt) for p, t in zip(positions, meds))
+         / sum((p - mp) ** 2 for p in positions))
+    a = mt - b * mp
+    assert line["a_s"] == pytest.approx(a) and line["b_s"] == pytest.approx(b)
+    assert line["ratio"] == pytest.approx((a + b * 4096) / (a + b * 16))
+    assert line["low"] < line["ratio"] < line["high"]
+    assert phases.decode_line(positions, samples) == pytest.approx(line)  # seeded
+    with pytest.raises(ValueError):
+        phases.decode_line([16, 16], samples[:2])
+    with pytest.raises(ValueError):
+        phases.decode_line([16, 32], [[0.1, 0.1], [0.1, 0.1]])
+
+
+def test_default_schedule_gives_compare_enough_repeats():
+    from labkit.util.compare import MIN_SAMPLES
+
+    for length in (16, 512, 1024, 2048, 4096, 8192):
+        warmup, repeats = phases.default_schedule(length)
+        assert repeats >= MIN_SAMPLES and warmup >= 0
+
+
+def test_decode_growth_words_claim_a_side_only_outside_the_interval():
+    def line(ratio, low, high):
+        return {"ratio": ratio, "low": low, "high": high, "confidence": 0.95}
+
+    assert "more than the bytes" in phases.decode_growth_words(line(1.58, 1.45, 1.70), 1.35)
+    assert "less than the bytes" in phases.decode_growth_words(line(1.10, 1.02, 1.20), 1.35)
+    # the ratio lies above the bytes' but its interval does not: no side is claimed
+    about = phases.decode_growth_words(line(1.58, 1.30, 1.80), 1.35)
+    assert "about as the bytes" in about and "within the noise" in about
+    assert "about as the bytes" in phases.decode_growth_words(line(1.20, 1.05, 1.40), 1.35)
+
+
+def test_gap_verdict_claims_a_direction_only_when_the_runs_are_apart():
+    assert phases.gap_verdict([0.4, 0.45, 0.42], [3.2, 3.3, 3.25]).startswith("7.7 times shorter")
+    assert phases.gap_verdict([3.2, 3.3, 3.25], [0.4, 0.45, 0.42]).startswith("longer chunked")
+    # the bootstrap interval excludes 1, but one chunked run was longer than a one-pass run
+    overlap = phases.gap_verdict([1.0, 1.0, 1.0, 1.0, 1.6], [2.0, 2.0, 2.0, 2.0, 1.5])
+    assert overlap.startswith("not clearly shorter")
 
 
 def test_position_agreement_excuses_only_near_ties():

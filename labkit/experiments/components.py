@@ -123,9 +123,12 @@ def _attended_keys(new_tokens: int, context: int, attention: str) -> int:
     """Sum over the new tokens of the number of keys each one's scores are computed for.
 
     ``"causal"``: token i (0-based among the new ones) sees context + i + 1 keys, what the
-    mathematics needs. ``"rectangle"``: every new token is scored against all
+    mathematics needs, and what SDPA's default kernel computes (up to its block edges) for
+    a whole prompt, which :func:`labkit.models.llama.grouped_attention` hands it with the
+    causal flag. ``"rectangle"``: every new token is scored against all
     context + new_tokens keys and the future ones are masked afterwards, what a kernel
-    given an explicit mask (ours, or GPT-2's naive attention) actually multiplies.
+    given an explicit mask multiplies (ours for a chunk after cached positions, GPT-2's
+    naive attention) and what SDPA's math backend multiplies even with the causal flag.
     """
     if attention == "causal":
         return new_tokens * context + new_tokens * (new_tokens + 1) // 2

@@ -26,7 +26,10 @@ Chapter 23 measures each on SmolLM2-135M and Gemma 3 270M. The pieces here:
   is the kernel's own high-water mark (``VmHWM``), reset after the model is loaded by
   writing 5 to ``/proc/self/clear_refs``.
 * :func:`kv_cache_bytes` and :func:`score_matrix_bytes`: the closed forms beside the
-  measured memory; :func:`attention_scores`: the scores a whole or chunked prefill computes.
+  measured memory; :func:`attention_scores`: the scores a whole or chunked prefill computes;
+  :func:`slope_bounds`: the growth exponents that repeated timings allow.
+* :func:`two_se_change` and :func:`loss_trend`: the verdict words on the loss curve, by
+  the chapter's two-standard-error rule.
 * :func:`needle_prompt`, :func:`needle_parts`, :func:`greedy_answer` and
   :func:`needle_grid`: needle-in-a-haystack retrieval. A sentence with a code is planted at
   a given depth of a passage of the evaluation text, the question comes at the end, and the
@@ -241,12 +244,16 @@ def attention_scores(config, length: int, chunk: int | None = None) -> int:
     """Query-key scores labkit's attention computes in a prefill of `length` tokens, whole
     (`chunk=None`) or `chunk` tokens per pass, summed over layers and query heads.
 
-    `llama.grouped_attention` and `window_cache.windowed_attention` hand SDPA an explicit
-    boolean mask and no causal flag, so a pass scores each of its queries against every key
-    it is given, masked ones included: a whole prefill length x length per layer; a chunk
-    its queries against the positions before it and itself; in a windowed layer with the
-    rolling cache (Gemma 3's default, `config.layer_windows`), against the window - 1
-    positions before the chunk and itself (`RollingKVCache.attend`)."""
+    `llama.grouped_attention` and `window_cache.windowed_attention` take one of two SDPA
+    paths. A pass whose queries start at its first key, in a layer whose window hides none
+    of its keys, passes `is_causal`: the kernel scores only the visible triangle,
+    T (T + 1) / 2 (it skips the tiles above the diagonal; the tiles on the diagonal add up
+    to a tile's width per query row, not counted here). Every other pass hands SDPA a
+    [T, S] mask, and the kernel scores the whole rectangle T x S, masked keys included: a
+    chunk after cached positions, and a whole prompt longer than a layer's window. S is
+    every position up to the chunk's last in a full layer; in a windowed layer with the
+    rolling cache (Gemma 3's default, `config.layer_windows`), the window - 1 positions
+    before the chunk and the chunk itself (`RollingKVCache.attend`)."""
     windows = getattr(config, "layer_windows", None) or (None,) * config.num_layers
     step = chunk or length
     total = 0
@@ -254,8 +261,50 @@ def attention_scores(config, length: int, chunk: int | None = None) -> int:
         steps = min(step, length - start)
         for window in windows:
             before = start if window is None else min(start, window - 1)
-            total += steps * (before + steps)
+            causal = before == 0 and (window is None or steps <= window)
+            total += steps * (steps + 1) // 2 if causal else steps * (before + steps)
     return config.num_heads * total
+
+
+def two_se_change(reference: dict, later: dict) -> str:
+    """"rises", "falls" or "level": the mean of bucket `later` against bucket `reference`
+    (rows of :func:`loss_by_position`), counted as a change only when the difference lies
+    outside two standard errors of the difference, sqrt(se_a^2 + se_b^2)."""
+    diff = later["bits_per_token"] - reference["bits_per_token"]
+    noise = 2 * math.hypot(later["stderr"], reference["stderr"])
+    return "level" if abs(diff) <= noise else "rises" if diff > 0 else "falls"
+
+
+def loss_trend(rows: Sequence[dict], reference_from: int = 512) -> dict:
+    """The end of a loss-by-position curve by the two-standard-error rule of
+    :func:`two_se_change`: the last bucket against a reference (the first bucket that
+    starts at `reference_from` or later, else the second bucket) and against the bucket
+    just before it. `word` is "rises" if the last bucket rises against either, "falls" if
+    it falls against the reference and does not rise against the one before, else
+    "level". Returns the three buckets, the two changes and the word."""
+    if len(rows) < 3:
+        raise ValueError("a trend needs at least three buckets")
+    reference = next((r for r in rows[:-1] if r["start"] >= reference_from), rows[1])
+    last, previous = rows[-1], rows[-2]
+    vs_reference, vs_previous = two_se_change(reference, last), two_se_change(previous, last)
+    word = ("rises" if "rises" in (vs_reference, vs_previous)
+            else "falls" if vs_reference == "falls" else "level")
+    return {"reference": reference, "previous": previous, "last": last,
+            "vs_reference": vs_reference, "vs_previous": vs_previous, "word": word}
+
+
+def slope_bounds(lengths: Sequence[float], fastest: Sequence[float],
+                 slowest: Sequence[float]) -> list[dict]:
+    """The log-log slope between neighbouring lengths that the repeats allow: from
+    (fastest at the longer) over (slowest at the shorter) up to (slowest at the longer)
+    over (fastest at the shorter). One run per point gives a single slope."""
+    out = []
+    for i in range(len(lengths) - 1):
+        step = math.log(lengths[i + 1] / lengths[i])
+        out.append({"from": lengths[i], "to": lengths[i + 1],
+                    "low": math.log(fastest[i + 1] / slowest[i]) / step,
+                    "high": math.log(slowest[i + 1] / fastest[i]) / step})
+    return out
 
 
 # -- 5. uses what it is given: needle in a haystack ----------------------------------------

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from labkit.util.compare import compare
+from labkit.util.compare import MIN_SAMPLES, compare
 from labkit.util.timing import measure
 
 PREFILL, DECODE = "prefill", "decode"
@@ -72,12 +72,11 @@ def greedy(logits: torch.Tensor) -> int:
 
 
 def default_schedule(length: int) -> tuple[int, int]:
-    """(warmup, repeats) for a TTFT of `length` tokens: fewer repeats when one call is long."""
+    """(warmup, repeats) for a TTFT of `length` tokens: fewer repeats when one call is long,
+    never fewer than `labkit.util.compare` needs to judge a difference."""
     if length <= 512:
         return 1, 5
-    if length <= 1024:
-        return 1, 3
-    return 1, 2
+    return 1, MIN_SAMPLES
 
 
 # -- TTFT vs prompt length ---------------------------------------------------------------
@@ -375,7 +374,8 @@ def long_request_times(timeline: dict) -> dict:
     """The long request's time to first token (from its arrival) and the sum of its prefill
     passes, in seconds."""
     return {"ttft_s": timeline["long"]["token_times"][0] - timeline["arrival"],
-            "prefill_s": sum(d for name, kind, _, d, _ in timeline["passes"] if name == "long" and kind == PREFILL)}
+            "prefill_s": sum(d for name, kind, _, d, _ in timeline["passes"]
+                             if name == "long" and kind == PREFILL)}
 
 
 def schedules_in_turns(model, short_prompt: Sequence[int], long_prompt: Sequence[int],
@@ -383,66 +383,155 @@ def schedules_in_turns(model, short_prompt: Sequence[int], long_prompt: Sequence
     """Run `two_request_timeline` for each schedule (name -> chunk, None for one pass),
     `rounds` times in turns (A, B, A, B, ...), so that a slow spell of the machine falls on
     both. Returns per schedule its last timeline ("timeline") and, from every round, the long
-    request's TTFT and prefill seconds ("ttft_s", "prefill_s": lists)."""
-    out = {name: {"ttft_s": [], "prefill_s": []} for name in schedules}
+    request's TTFT and prefill seconds and the short request's worst gap ("ttft_s",
+    "prefill_s", "worst_gap_s": lists)."""
+    out = {name: {"ttft_s": [], "prefill_s": [], "worst_gap_s": []} for name in schedules}
     for _ in range(rounds):
         for name, chunk in schedules.items():
             timeline = two_request_timeline(model, short_prompt, long_prompt, chunk=chunk, **kwargs)
             for key, value in long_request_times(timeline).items():
                 out[name][key].append(value)
+            out[name]["worst_gap_s"].append(gap_summary(timeline)["worst_gap_s"])
             out[name]["timeline"] = timeline
     return out
 
 
-def chunking_verdict(chunked_ttft: Sequence[float], one_pass_ttft: Sequence[float]) -> str:
-    """Did the long request pay for being prefilled in chunks? In words the runs support.
+def _runs_apart(chunked: Sequence[float], one_pass: Sequence[float]):
+    """The comparison of two schedules' runs (`labkit.util.compare`, one pass over chunked)
+    and the direction it may claim: "shorter" (chunked took less) or "longer" only when the
+    bootstrap interval excludes 1 *and* every run of one schedule lies beyond every run of
+    the other (with a few runs a side, a percentile bootstrap alone claims too much: three
+    runs against three, completely apart, is a one-sided chance of 1 in 20); else None."""
+    c = compare(chunked, one_pass, name_a="chunked", name_b="one pass")
+    if c.verdict == "faster" and max(chunked) < min(one_pass):
+        return c, "shorter"
+    if c.verdict == "slower" and min(chunked) > max(one_pass):
+        return c, "longer"
+    return c, None
 
-    A direction is claimed only when the bootstrap interval of the ratio of medians
-    (`labkit.util.compare`) excludes 1 *and* every run of one schedule was faster than every
-    run of the other: with a few runs a side, a percentile bootstrap alone claims too much
-    (three runs against three, completely apart, is a one-sided chance of 1 in 20)."""
-    c = compare(chunked_ttft, one_pass_ttft, name_a="chunked", name_b="one pass")
-    n = min(len(chunked_ttft), len(one_pass_ttft))
-    each = f"{n} runs of each" if len(chunked_ttft) == len(one_pass_ttft) else "the runs"
+
+def _runs_text(chunked: Sequence[float], one_pass: Sequence[float]) -> str:
+    n = min(len(chunked), len(one_pass))
+    return f"{n} runs of each" if len(chunked) == len(one_pass) else "the runs"
+
+
+def chunking_verdict(chunked_ttft: Sequence[float], one_pass_ttft: Sequence[float]) -> str:
+    """Did the long request pay for being prefilled in chunks? In words the runs support
+    (the rule of :func:`_runs_apart`)."""
+    c, direction = _runs_apart(chunked_ttft, one_pass_ttft)
+    each = _runs_text(chunked_ttft, one_pass_ttft)
     detail = f"one-pass / chunked time {c.ratio:.2f}, bootstrap interval {c.low:.2f}-{c.high:.2f}"
-    if c.verdict == "faster" and max(chunked_ttft) < min(one_pass_ttft):
+    if direction == "shorter":
         return f"chunking did not cost it, its first token came sooner chunked in all {each} ({detail})"
-    if c.verdict == "slower" and min(chunked_ttft) > max(one_pass_ttft):
+    if direction == "longer":
         return f"chunking cost it, its first token came later chunked in all {each} ({detail})"
     return (f"its first token came at the same time either way within the noise, the runs of "
             f"the two schedules overlapping ({detail})")
 
 
+def gap_verdict(chunked_gaps: Sequence[float], one_pass_gaps: Sequence[float]) -> str:
+    """Was the short request's worst gap shorter with the long prompt chunked? In words the
+    runs support (the rule of :func:`_runs_apart`), to follow "its worst gap was"."""
+    c, direction = _runs_apart(chunked_gaps, one_pass_gaps)
+    each = _runs_text(chunked_gaps, one_pass_gaps)
+    detail = (f"one-pass / chunked worst gap {c.ratio:.1f}, bootstrap interval "
+              f"{c.low:.1f}-{c.high:.1f}, {each}")
+    if direction == "shorter":
+        return f"{c.ratio:.1f} times shorter chunked, in every run ({detail})"
+    if direction == "longer":
+        return f"longer chunked, in every run ({detail})"
+    return f"not clearly shorter chunked: the runs of the two schedules overlap ({detail})"
+
+
+def prefill_scores(length: int, chunk: int | None = None) -> int:
+    """Attention scores one query head computes to prefill `length` tokens, in one pass
+    (`chunk` None) or in chunks of `chunk`, as labkit's attention
+    (:func:`labkit.models.llama.grouped_attention`) hands the work to SDPA:
+
+    - a pass with no cached positions (a whole prompt, or a first chunk) passes
+      `is_causal`: the kernel skips the masked upper half and scores the lower triangle with
+      its diagonal, T (T + 1) / 2 for T tokens (up to the kernel's block edges);
+    - a chunk after cached positions passes a [T, S] mask, S the keys up to its last token:
+      the kernel scores that whole rectangle, T x S, the chunk's own masked corner included.
+    """
+    if length < 1 or (chunk is not None and chunk < 1):
+        raise ValueError("a prefill has at least one token and chunks of at least one")
+    chunk = chunk or length
+    scored = 0
+    for start in range(0, length, chunk):
+        steps = min(chunk, length - start)
+        scored += steps * (steps + 1) // 2 if start == 0 else steps * (start + steps)
+    return scored
+
+
 def scored_share(length: int, chunk: int) -> float:
     """Attention scores computed by a prefill of `length` tokens in chunks of `chunk`, as a
-    share of one pass's, in labkit's attention (:func:`labkit.models.llama.grouped_attention`):
-    a pass scores each of its queries against every key it can reach, the cached ones and
-    its own, and the causal mask hides the later ones after they are scored. One pass
-    computes length² scores; a chunk ending at position e computes (its tokens) × e."""
-    if length < 1 or chunk < 1:
-        raise ValueError("a prefill has at least one token and chunks of at least one")
-    scored = sum(min(chunk, length - start) * min(start + chunk, length)
-                 for start in range(0, length, chunk))
-    return scored / (length * length)
+    share of one pass's (:func:`prefill_scores`). Above 1 once there are two chunks: the
+    whole prompt takes the causal kernel's triangle, a later chunk its whole rectangle."""
+    return prefill_scores(length, chunk) / prefill_scores(length)
 
 
-def decode_growth_words(measured_ratio: float, bytes_ratio: float, margin: float = 0.1) -> str:
-    """How a decode step's time grew from a short to a long position, against the growth of
-    the bytes it reads (all the weights plus the cache), in words for the prose: "about as"
-    within `margin` (relative), else "more than" or "less than", with what that implies.
-    Under time = a × weight bytes + b × cache bytes, growing faster than the bytes means b > a
-    (a cache byte cost more than a weight byte), slower means the opposite or a fixed cost."""
-    head = f"grew {measured_ratio:.2f} times"
+def _median(values: torch.Tensor) -> torch.Tensor:
+    """Medians along the last axis, statistics.median's convention (mean of the middle two)."""
+    ordered = values.sort(dim=-1).values
+    n = values.shape[-1]
+    return (ordered[..., (n - 1) // 2] + ordered[..., n // 2]) / 2
+
+
+def decode_line(positions: Sequence[int], samples: Sequence[Sequence[float]], *,
+                confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> dict:
+    """A straight line, step time = a + b x position, fitted by least squares to the median
+    decode step at each position (:func:`decode_curve`'s records: `positions` and each one's
+    `samples`), and the growth it gives from the first position to the last:
+    ``ratio`` = (a + b p_last) / (a + b p_first). Every position carries the line, so one noisy
+    step at either end moves it less than it moves a ratio of the two end medians. The
+    interval is a percentile bootstrap: each position's samples resampled (seeded), their
+    medians refitted. Returns a_s, b_s (seconds per position), first_s, last_s, ratio, low,
+    high, confidence."""
+    if len(positions) != len(samples) or len(set(positions)) < 2:
+        raise ValueError("a line needs samples at two or more distinct positions")
+    if min(len(s) for s in samples) < MIN_SAMPLES:
+        raise ValueError(f"each position needs at least {MIN_SAMPLES} samples")
+    p = torch.tensor([float(x) for x in positions], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(p), p], dim=1)  # [P, 2]
+    generator = torch.Generator().manual_seed(seed)
+    medians = [_median(torch.tensor(list(s), dtype=torch.float64)) for s in samples]
+    drawn = []
+    for s in samples:
+        values = torch.tensor(list(s), dtype=torch.float64)
+        picks = torch.randint(0, len(values), (resamples, len(values)), generator=generator)
+        drawn.append(_median(values[picks]))
+    observed = torch.stack(medians)[None, :]  # [1, P]
+    every = torch.cat([observed, torch.stack(drawn, dim=1)])  # [1 + resamples, P]
+    coef = torch.linalg.lstsq(design, every.T).solution  # [2, 1 + resamples]
+    first, last = coef[0] + coef[1] * p.min(), coef[0] + coef[1] * p.max()
+    ratios = last / first
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(ratios[1:], torch.tensor([tail, 1 - tail], dtype=torch.float64))
+    return {"a_s": float(coef[0, 0]), "b_s": float(coef[1, 0]), "first_s": float(first[0]),
+            "last_s": float(last[0]), "ratio": float(ratios[0]), "low": float(low),
+            "high": float(high), "confidence": confidence}
+
+
+def decode_growth_words(line: dict, bytes_ratio: float) -> str:
+    """How a decode step's time grew from the first position to the last (a fitted
+    :func:`decode_line`), against the growth of the bytes it reads (all the weights plus the
+    cache), in words for the prose: "more than" or "less than" only when the line's whole
+    bootstrap interval lies on that side of the bytes' ratio, else "about as". Under
+    time = a x weight bytes + b x cache bytes, growing faster than the bytes means b > a (a
+    cache byte cost more than a weight byte), slower means the opposite or a fixed cost."""
+    head = (f"grew {line['ratio']:.2f} times ({line['confidence']:.0%} interval "
+            f"{line['low']:.2f}-{line['high']:.2f})")
     bytes_text = f"{bytes_ratio:.2f} times: all the weights plus the cache"
-    if measured_ratio > bytes_ratio * (1 + margin):
+    if line["low"] > bytes_ratio:
         return (f"{head}, more than the bytes a step reads ({bytes_text}): counted per byte, "
                 "the work that grows with the position (reading the cache and attending over "
                 "it) cost more than reading the weights")
-    if measured_ratio < bytes_ratio / (1 + margin):
+    if line["high"] < bytes_ratio:
         return (f"{head}, less than the bytes a step reads ({bytes_text}): counted per byte, "
                 "the weights cost more than the cache, or part of a step's time does not "
                 "depend on its bytes at all")
-    return f"{head}, about as the bytes a step reads grew ({bytes_text})"
+    return f"{head}, about as the bytes a step reads grew ({bytes_text}), within the noise"
 
 
 def gap_summary(timeline: dict) -> dict:
@@ -538,7 +627,9 @@ def reference_phase_times(ref, ids: Sequence[int], lengths: Sequence[int], *,
 __all__ = [
     "PREFILL", "DECODE", "eval_prompt_ids", "greedy", "default_schedule", "ttft_once",
     "ttft_curve", "loglog_slopes", "fit_linear_quadratic", "decode_curve", "split_phases",
-    "phase_shares", "chunked_prefill", "position_agreement", "two_request_timeline", "long_request_times", "schedules_in_turns",
-    "chunking_verdict", "scored_share", "decode_growth_words", "gap_summary",
+    "phase_shares", "chunked_prefill", "position_agreement", "two_request_timeline",
+    "long_request_times", "schedules_in_turns",
+    "chunking_verdict", "gap_verdict", "prefill_scores", "scored_share", "decode_line",
+    "decode_growth_words", "gap_summary",
     "reference_phase_times", "plot_timeline",
 ]
