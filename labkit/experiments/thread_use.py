@@ -183,7 +183,8 @@ def path_records(timings: Sequence[Mapping[str, Any]], uses: Mapping[str, Thread
         use = uses.get(name)
         gain = Comparison("two threads", "one thread", two["speedup"], two["speedup_low"],
                           two["speedup_high"], CONFIDENCE, two["repeats"], one["repeats"])
-        rows.append({"path": name, "one_thread_ms": one["median_s"] * 1e3, "two_threads_ms": two["median_s"] * 1e3,
+        rows.append({"path": name, "one_thread_ms": one["median_s"] * 1e3,
+                     "two_threads_ms": two["median_s"] * 1e3,
                      "one_thread_gb_s": bytes_read / one["median_s"] / 1e9,
                      "two_threads_gb_s": bytes_read / two["median_s"] / 1e9,
                      "speedup": two["speedup"], "speedup_low": two["speedup_low"],
