@@ -9,8 +9,9 @@ Byte counts are the minimum traffic: every input read once and the output writte
 (what an ideal kernel with perfect caching would move). Each entry also has a `footprint`:
 the bytes its repeated calls touch in all. An op called again and again on the same small
 inputs finds them in the cache, so it is not timed against memory; `gemv_from_memory`
-rotates through enough copies of a weight matrix that every call reads it from DRAM, as a
-decode step does with its 540 MB of distinct weights. FLOP counts follow the usual
+rotates through enough copies of a weight matrix that each call's copy has been pushed out
+by the others, as a decode step does with its 540 MB of distinct weights. `residence` is the
+one definition of where an op's operands live (cache, partly cached, memory). FLOP counts follow the usual
 conventions: a multiply-add is 2 FLOPs, elementwise ops count a few FLOPs per element.
 
 `measure_step_products` times a decode step's weight products alone at each batch size, and
@@ -196,8 +197,9 @@ def catalogue(size: str = "full", device: str = "cpu",
     """The ops the chapter measures: `size="full"` (>= 50 ops) or `"tiny"` (for tests).
 
     The model's five weight matrices appear twice as one-row products: reusing one copy
-    (kind "gemv", weights in the cache when they fit) and rotating through copies larger
-    than `llc_bytes` together (kind "gemv from memory"; default: this machine's cache)."""
+    (kind "gemv", weights in the cache when they fit) and rotating through copies that
+    together reach the book's rule for a read from memory (kind "gemv from memory"; see
+    `residence`; `llc_bytes` defaults to this machine's cache)."""
     llc = llc_bytes if llc_bytes is not None else last_level_cache_bytes()
     if size == "tiny":
         return [gemm(8, 12, 16, device=device), gemm(1, 24, 16, kind="gemv", device=device),
