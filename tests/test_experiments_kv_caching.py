@@ -14,6 +14,7 @@ from labkit.experiments.kv_caching import (
                                            perturbed_cache_trials,
                                            rate_interval,
                                            speedup_curve,
+                                           spot_check_reading,
                                            speedup_trend,
                                            stale_cache_trials,
                                            summarize_trials,
@@ -158,3 +159,18 @@ def test_rate_interval_is_wilsons():
     assert low < 0.4 < high
     with pytest.raises(ValueError):
         rate_interval(3, 2)
+
+
+def test_spot_check_reading_follows_the_count():
+    # 1 of 20 passed: the check usually catches a stale cache (the issue-33 contradiction)
+    rare = spot_check_reading(1, 20)
+    assert "caught the wrong cache in 19 of 20" in rare and "usually catch" in rare
+    assert "miss this bug more often" not in rare
+    # 16 of 20 passed: the interval lies above one half, so the check usually misses it
+    often = spot_check_reading(16, 20)
+    assert "miss this bug more often than it caught it" in often
+    # 8 of 20 (the source's): the interval holds one half, so no direction is claimed
+    assert "cannot tell" in spot_check_reading(8, 20)
+    assert "caught every one" in spot_check_reading(0, 20)
+    with pytest.raises(ValueError):
+        spot_check_reading(21, 20)

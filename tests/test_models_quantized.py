@@ -9,7 +9,8 @@ import torch
 from conftest import assert_argmax_near
 from labkit.eval import eval_text
 from labkit.kernels.quant import quantize_int4, quantize_int8
-from labkit.experiments.quantization import (decode_runner, greedy_tokens, paired_difference,
+from labkit.experiments.quantization import (ENGINE_FLOAT32, decode_runner, float32_paths,
+                                             greedy_tokens, paired_difference,
                                              teacher_forced_matches, window_scores)
 from labkit.models.quantized import (KERNEL_LOGIT_ERROR, QuantizedLlama, error_over_bound,
                                      fake_quantize, gguf_group, quantize_model,
@@ -184,3 +185,18 @@ def test_decode_runner_repeats_the_same_steps(model, ids):
     timings = measure_interleaved({"a": run, "b": run}, rounds=2, warmup=0, threads=1)
     assert [len(t.samples) for t in timings.values()] == [2, 2]
     assert all(t.threads == 1 for t in timings.values())
+
+
+def test_speed_baseline_is_the_engines_float32_path(model, ids):
+    from labkit.engine.backends import FastBackend
+    from labkit.kernels.packed import is_packed, pack_model
+    paths = float32_paths(model)
+    assert list(paths) == [ENGINE_FLOAT32, "float32, F.linear"]  # the baseline first
+    assert paths["float32, F.linear"] is model
+    engine = paths[ENGINE_FLOAT32]
+    # the very model the engine's fast backend runs (packed where oneDNN takes the weights)
+    assert engine is FastBackend().prepare(model)
+    if pack_model(model) is not model:
+        assert is_packed(engine) and not is_packed(model)
+    x = torch.tensor([ids])
+    torch.testing.assert_close(engine(x), model(x), rtol=1e-4, atol=1e-3)

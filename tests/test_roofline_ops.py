@@ -6,10 +6,12 @@ import torch
 from labkit.models.gguf_file import LlamaConfig
 from labkit.sim.roofline import Machine, predict
 from labkit.sim.roofline_ops import (bmm, catalogue, copy, decode_step_ops, decode_step_timer,
-                                     elementwise, gather, gemm, gemv_from_memory,
-                                     measure_catalogue, measure_decode_steps,
-                                     predict_decode_step, products_vs_step, rmsnorm,
-                                     smollm2_weight_shapes, softmax)
+                                     elementwise, gather, gemm, gemv_from_memory, jump_reading,
+                                     largest_step_jump, measure_catalogue, measure_decode_steps,
+                                     measure_step_products, predict_decode_step,
+                                     products_vs_step, rmsnorm, smollm2_weight_shapes, softmax,
+                                     residence, step_products_timer, from_memory_reading)
+from labkit.util.machine import memory_read_buffer_bytes
 
 MACHINE = Machine(peak_flops=100e9, bandwidth=10e9, overhead=5e-6, threads=2)
 SMOL = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -48,19 +50,22 @@ def test_full_catalogue_has_at_least_50_distinct_ops():
 
 
 def test_measure_catalogue_rows():
-    rows = measure_catalogue(catalogue("tiny"), MACHINE, repeats=2, warmup=1, llc_bytes=4096)
+    rows = measure_catalogue(catalogue("tiny"), MACHINE, repeats=2, warmup=1, llc_bytes=4096,
+                             memory_bytes=4 * 4096)
     assert len(rows) == 10
     for r in rows:
         assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["predicted_s"])
         assert 0 < r["best_s"] <= r["measured_s"]
     assert [r["in_cache"] for r in rows] == [True] * 9 + [False]
+    assert [r["residence"] for r in rows] == ["cache"] * 9 + ["memory"]
     assert len(measure_catalogue(catalogue("tiny"), MACHINE, repeats=1, max_bytes=300)) < 10
 
 
 def test_gemv_from_memory_rotates_through_copies_beyond_the_cache():
-    entry = gemv_from_memory(24, 16, "g", llc_bytes=4096)
+    entry = gemv_from_memory(24, 16, "g", llc_bytes=4096, memory_bytes=4 * 4096)
     assert entry.op.flops == 2 * 24 * 16 and entry.kind == "gemv from memory"
-    assert entry.footprint_bytes >= 2 * 4096          # the copies together exceed 2x the cache
+    assert entry.footprint_bytes >= 4 * 4096          # the copies reach the memory rule
+    assert residence(entry.footprint_bytes, 4096, 4 * 4096) == "memory"
     assert entry.footprint_bytes % entry.op.bytes == 0
     call = entry.make()
     outs = [call() for _ in range(int(entry.footprint_bytes // entry.op.bytes) + 1)]
@@ -72,7 +77,19 @@ def test_gemv_from_memory_rotates_through_copies_beyond_the_cache():
 def test_full_catalogue_has_each_weight_from_memory():
     ops = catalogue("full", llc_bytes=32 * 2**20)
     memory = [o for o in ops if o.kind == "gemv from memory"]
-    assert len(memory) == 5 and all(o.footprint_bytes > 2 * 32 * 2**20 for o in memory)
+    # one definition: the rotation reaches the book's rule for a read from memory
+    rule = memory_read_buffer_bytes(32 * 2**20)
+    assert len(memory) == 5 and all(o.footprint_bytes >= rule for o in memory)
+    assert all(residence(o.footprint_bytes, 32 * 2**20) == "memory" for o in memory)
+
+
+def test_residence_has_one_definition_of_the_cache_and_of_memory():
+    llc = 300 * 2**20
+    rule = memory_read_buffer_bytes(llc)
+    assert residence(llc, llc) == "cache"                      # fits: in the cache
+    assert residence(llc + 1, llc) == "partly cached"          # over once the cache ...
+    assert residence(2 * llc, llc) == "partly cached"          # ... and twice: not yet memory
+    assert residence(rule, llc) == "memory"
 
 
 def test_decode_step_ops_accounting():
@@ -119,3 +136,71 @@ def test_products_vs_step_reads_a_share_only_inside_the_gap():
     assert "accounts for 50% of the gap" in products_vs_step(30e-3, 20e-3, 25e-3)
     assert "accounts for 0% of the gap" in products_vs_step(30e-3, 20e-3, 15e-3)
     assert "no gap" in products_vs_step(18e-3, 20e-3, 25e-3)
+
+
+class _CountingWeight:
+    """A weight slot held as a module (as labkit's packed and quantized kernels are): counts
+    its calls and the rows it is given."""
+
+    def __init__(self, out: int, k: int, calls: list):
+        self.shape, self.calls = (out, k), calls
+        self.weight = torch.randn(out, k)
+
+    def __call__(self, x):
+        self.calls.append(tuple(x.shape))
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def _fake_model(layers=3, hidden=8, calls=None):
+    from types import SimpleNamespace
+    calls = [] if calls is None else calls
+    shapes = {"qkv": (3 * hidden, hidden), "o_proj": (hidden, hidden),
+              "gate_up": (4 * hidden, hidden), "down": (hidden, 2 * hidden)}
+    blocks = [SimpleNamespace(**{n: _CountingWeight(*shape, calls) for n, shape in shapes.items()})
+              for _ in range(layers)]
+    return SimpleNamespace(layers=blocks, lm_head=torch.randn(40, hidden)), calls
+
+
+def test_step_products_run_every_matrix_of_the_step_once_at_the_batch():
+    fake, calls = _fake_model()
+    out = step_products_timer(fake, 5)()
+    # 4 matrices a layer, each once, each with [batch, 1, its input width]; then the LM head
+    assert calls == [(5, 1, 8), (5, 1, 8), (5, 1, 8), (5, 1, 16)] * 3
+    assert out.shape == (5, 1, 40)
+    rows = measure_step_products(fake, [1, 2], rounds=3, threads=1)
+    per_layer = 3 * 8 * 8 + 8 * 8 + 4 * 8 * 8 + 8 * 16
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert rows[0]["weight_bytes"] == 4 * (3 * per_layer + 40 * 8)
+    for r in rows:
+        assert r["low_s"] <= r["products_s"] <= r["high_s"]
+        assert r["weight_gbs"] == pytest.approx(r["weight_bytes"] / r["products_s"] / 1e9)
+
+
+def test_largest_step_jump_says_who_carries_it():
+    steps = [{"batch": b, "measured_s": t} for b, t in ((1, .026), (2, .027), (4, .042), (8, .050))]
+    products = [{"batch": b, "products_s": t} for b, t in ((1, .019), (2, .0195), (4, .033), (8, .038))]
+    jump = largest_step_jump(steps, products)
+    # 2 -> 4 is the largest ratio (1.56x; 4 -> 8 is 1.19x); the products carry 90% of it
+    assert (jump["from_batch"], jump["to_batch"]) == (2, 4)
+    assert jump["products_share"] == pytest.approx((.033 - .0195) / (.042 - .027))
+    assert "the jump is the products'" in jump_reading(jump)
+    flat = [{"batch": r["batch"], "products_s": .019} for r in products]
+    rest = jump_reading(largest_step_jump(steps, flat))
+    assert "only 0% of the step's growth" in rest and "in the rest of the step" in rest
+    falling = [{"batch": b, "measured_s": t} for b, t in ((1, .03), (2, .02))]
+    assert "did not grow" in jump_reading(largest_step_jump(falling, products[:2]))
+    with pytest.raises(ValueError):
+        largest_step_jump(steps[:1], products)
+
+
+def test_from_memory_reading_names_ops_that_beat_the_memory_ceiling():
+    def row(name, ratio, residence="memory", nbytes=113e6):
+        return {"name": name, "ratio": ratio, "residence": residence, "bytes": nbytes,
+                "measured_s": nbytes / 30e9 * ratio, "footprint_bytes": 1e9}
+    held = from_memory_reading([row("qkv", 1.20), row("lm_head", 1.05), row("x", 0.2, "cache")],
+                               30e9, 300 * 2**20)
+    assert held.startswith("None of the 2 ops") and "lm_head, took 1.05×" in held
+    beat = from_memory_reading([row("qkv", 1.20), row("lm_head", 0.95)], 30e9, 300 * 2**20)
+    assert beat.startswith("1 of the 2 ops") and "lm_head, took 0.95×" in beat
+    assert "partly cache-resident" in beat and "31.6 GB/s" in beat
+    assert "No op" in from_memory_reading([row("x", 0.2, "cache")], 30e9, 300 * 2**20)

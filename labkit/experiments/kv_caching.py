@@ -14,6 +14,8 @@ that ``model(ids, cache=cache)`` writes and reads:
 * :func:`stale_cache_trials`: a cache filled for prompt A continued as if it held prompt B.
 * :func:`perturbed_cache_trials`: a cache filled with one layer's K/V weights perturbed,
   then continued with the correct weights.
+* :func:`spot_check_reading`: what a check of the next token says about a stale cache,
+  read from the trials' count with its interval.
 
 Every trial reports the largest absolute difference between the next-token logits the
 faulty cache gives and the correct ones (``max_abs_err``) and whether the greedy token is
@@ -124,6 +126,33 @@ def rate_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, 
     centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
     half = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / (1 + z2 / trials)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def spot_check_reading(right: int, trials: int) -> str:
+    """What a check of the next token alone says about a stale cache, in a sentence for the
+    prose, from the count of trials in which the stale cache still gave the right token.
+
+    The direction comes from the Wilson 95% interval of the miss rate (``right / trials``,
+    :func:`rate_interval`): a check that passes the stale cache in under half the trials,
+    beyond the noise of the count, usually catches it; over half, usually misses it; an
+    interval that holds one half cannot tell. No trial passed is said as such, with the miss
+    rate the trials cannot rule out."""
+    low, high = rate_interval(right, trials)
+    caught = trials - right
+    seen = (f"A check of the next token alone caught the wrong cache in {caught} of {trials} "
+            f"trials and passed it in {right}")
+    if right == 0:
+        return (f"{seen}: it caught every one, yet {trials} trials cannot rule out a check that "
+                f"passes a stale cache up to {high:.0%} of the time.")
+    rate = f" (95% interval of how often it passes: {low:.0%} to {high:.0%})"
+    if high < 0.5:
+        return (f"{seen}{rate}: one spot check would usually catch this bug, but not every "
+                "time, so a server cannot rely on it.")
+    if low > 0.5:
+        return (f"{seen}{rate}: a spot check of the next token would miss this bug more often "
+                "than it caught it.")
+    return (f"{seen}{rate}: the trials cannot tell whether a spot check of the next token "
+            "catches this bug more often than it misses it.")
 
 
 def speedup_curve(model, source_ids: Sequence[int], cases: Iterable[tuple[int, int]], *,

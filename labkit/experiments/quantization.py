@@ -10,6 +10,9 @@ import math
 import torch
 
 from labkit.engine.loop import greedy_continue, greedy_decode
+from labkit.engine.backends import FastBackend
+
+ENGINE_FLOAT32 = "float32 (engine)"  # the speed baseline: the engine's own float32 path
 
 
 def window_scores(model, ids: list[int], window: int = 512) -> list[tuple[float, int]]:
@@ -89,3 +92,15 @@ def decode_runner(model, prompt_ids: list[int], new_tokens: int):
         return greedy_continue(model, cache, logits, new_tokens + 1).token_ids[1:]
 
     return run
+
+
+def float32_paths(model) -> dict:
+    """The float32 systems a speed comparison times, the baseline first.
+
+    The baseline is the engine's own float32 path (`FastBackend().prepare`, i.e.
+    `labkit.kernels.packed.pack_model`: one row through labkit's C matrix-vector kernel,
+    more rows through oneDNN-packed weights, as `LLM` runs with its fast kernels): a
+    quantized kernel is measured against the float32 a server would run, not against
+    PyTorch's single-row `F.linear`, the plain model, which
+    is timed beside it under the name "float32, F.linear"."""
+    return {ENGINE_FLOAT32: FastBackend().prepare(model), "float32, F.linear": model}

@@ -9,9 +9,13 @@ Byte counts are the minimum traffic: every input read once and the output writte
 (what an ideal kernel with perfect caching would move). Each entry also has a `footprint`:
 the bytes its repeated calls touch in all. An op called again and again on the same small
 inputs finds them in the cache, so it is not timed against memory; `gemv_from_memory`
-rotates through enough copies of a weight matrix that every call reads it from DRAM, as a
-decode step does with its 540 MB of distinct weights. FLOP counts follow the usual
+rotates through enough copies of a weight matrix that each call's copy has been pushed out
+by the others, as a decode step does with its 540 MB of distinct weights. `residence` is the
+one definition of where an op's operands live (cache, partly cached, memory). FLOP counts follow the usual
 conventions: a multiply-add is 2 FLOPs, elementwise ops count a few FLOPs per element.
+
+`measure_step_products` times a decode step's weight products alone at each batch size, and
+`largest_step_jump` / `jump_reading` say how much of the step's largest jump they carry.
 
 `decode_step_ops(config, batch, position)` writes one batched decode step of a Llama model
 (the forward pass in labkit/models/llama.py with a KV cache) as the list of ops it runs, so
@@ -26,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from labkit.util.machine import memory_read_buffer_bytes
 from labkit.util.timing import measure
 from labkit.sim.roofline import Machine, Op, bound, last_level_cache_bytes, matmul_op, predict
 
@@ -68,13 +73,27 @@ def gemm(m: int, n: int, k: int, name: str = "", kind: str = "gemm",
     return CatalogueOp(matmul_op(m, n, k, name=name or f"{kind} {m}x{k}x{n}"), kind, (m, n), make)
 
 
-def gemv_from_memory(n: int, k: int, name: str, llc_bytes: int,
-                     device: str = "cpu") -> CatalogueOp:
+def residence(footprint: float, llc_bytes: int, memory_bytes: int | None = None) -> str:
+    """Where repeated calls of an op find their operands, by the book's one definition:
+    "cache" when the bytes they touch in all fit in the last-level cache, "memory" when they
+    are at least `memory_bytes` (default `labkit.util.machine.memory_read_buffer_bytes`, the
+    rule the bandwidth ceiling is measured by: four times the cache, within fixed limits),
+    and "partly cached" between the two, where a cache may still hold part of them."""
+    memory = memory_read_buffer_bytes(llc_bytes) if memory_bytes is None else memory_bytes
+    if footprint <= llc_bytes:
+        return "cache"
+    return "memory" if footprint >= memory else "partly cached"
+
+
+def gemv_from_memory(n: int, k: int, name: str, llc_bytes: int, device: str = "cpu",
+                     memory_bytes: int | None = None) -> CatalogueOp:
     """x [1, k] @ W^T, each call with the next of enough copies of W [n, k] that together
-    they exceed twice the last-level cache: the copies are read in the order they were
-    written, so each call finds its weights evicted, as in a decode step."""
+    they are at least `memory_bytes` (default: the book's rule for a read from memory,
+    `memory_read_buffer_bytes(llc_bytes)`; see `residence`): the copies are read in the order
+    they were written, so each call finds its weights evicted, as in a decode step."""
     op = matmul_op(1, n, k, name=name)
-    copies = max(1, -(-2 * llc_bytes // (F32 * n * k)))
+    memory = memory_read_buffer_bytes(llc_bytes) if memory_bytes is None else memory_bytes
+    copies = max(1, -(-memory // (F32 * n * k)))
 
     def make():
         x = _rand(1, k, device=device)
@@ -178,8 +197,9 @@ def catalogue(size: str = "full", device: str = "cpu",
     """The ops the chapter measures: `size="full"` (>= 50 ops) or `"tiny"` (for tests).
 
     The model's five weight matrices appear twice as one-row products: reusing one copy
-    (kind "gemv", weights in the cache when they fit) and rotating through copies larger
-    than `llc_bytes` together (kind "gemv from memory"; default: this machine's cache)."""
+    (kind "gemv", weights in the cache when they fit) and rotating through copies that
+    together reach the book's rule for a read from memory (kind "gemv from memory"; see
+    `residence`; `llc_bytes` defaults to this machine's cache)."""
     llc = llc_bytes if llc_bytes is not None else last_level_cache_bytes()
     if size == "tiny":
         return [gemm(8, 12, 16, device=device), gemm(1, 24, 16, kind="gemv", device=device),
@@ -187,7 +207,8 @@ def catalogue(size: str = "full", device: str = "cpu",
                 elementwise("silu*mul", 32, device=device), softmax(3, 7, device=device),
                 rmsnorm(3, 16, device=device), gather(5, 50, 8, device=device),
                 copy(64, device=device),
-                gemv_from_memory(24, 16, "gemv 24x16 from memory", 4096, device=device)]
+                gemv_from_memory(24, 16, "gemv 24x16 from memory", 4096, device=device,
+                                 memory_bytes=4 * 4096)]
     if size != "full":
         raise ValueError(f"size must be 'full' or 'tiny', not {size!r}")
     ops: list[CatalogueOp] = []
@@ -227,13 +248,14 @@ def catalogue(size: str = "full", device: str = "cpu",
 def measure_catalogue(ops: list[CatalogueOp], machine: Machine, *, repeats: int = 5,
                       warmup: int = 1, max_bytes: float | None = None,
                       max_flops: float | None = None, llc_bytes: int | None = None,
-                      device: str | None = None) -> list[dict]:
+                      memory_bytes: int | None = None, device: str | None = None) -> list[dict]:
     """Measure each op (skipping those above `max_bytes` / `max_flops`) and predict it.
 
     Returns one row per op: name, kind, flops, bytes, intensity, predicted_s, measured_s
     (median), best_s (fastest run), spread, ratio (measured / predicted), the bound the model
-    names, footprint_bytes and in_cache (footprint within `llc_bytes`; default: this
-    machine's last-level cache). `device` synchronises GPU work around every timed call.
+    names, footprint_bytes, in_cache (footprint within `llc_bytes`; default: this
+    machine's last-level cache) and residence ("cache", "partly cached" or "memory", by
+    `residence` with `memory_bytes`). `device` synchronises GPU work around every timed call.
     """
     llc = llc_bytes if llc_bytes is not None else last_level_cache_bytes()
     rows = []
@@ -251,7 +273,8 @@ def measure_catalogue(ops: list[CatalogueOp], machine: Machine, *, repeats: int 
                      "measured_s": timing.median, "best_s": timing.min,
                      "spread": timing.spread, "ratio": timing.median / predicted,
                      "bound": bound(op, machine), "footprint_bytes": entry.footprint_bytes,
-                     "in_cache": entry.footprint_bytes <= llc})
+                     "in_cache": entry.footprint_bytes <= llc,
+                     "residence": residence(entry.footprint_bytes, llc, memory_bytes)})
     return rows
 
 
@@ -356,6 +379,128 @@ def measure_decode_steps(model, batches: list[int], prompt_ids: list[int], machi
                      "ratio_whole": t.median / p["whole_step_s"],
                      "ratio_per_op": t.median / p["per_op_s"]})
     return rows
+
+
+def from_memory_reading(rows: list[dict], bandwidth: float, llc_bytes: int) -> str:
+    """What the catalogue's ops that read from memory (residence "memory") say about the
+    memory ceiling, in a sentence for the prose: whether any ran faster than their
+    prediction (ratio under 1), the one that came closest, and, where some beat it, why a
+    footprint past the book's rule can still do so (part of it stays in the cache).
+    `bandwidth` is the ceiling in bytes/s; `llc_bytes` the last-level cache."""
+    memory = [r for r in rows if r["residence"] == "memory"]
+    if not memory:
+        return "No op of this run read its operands from memory."
+    best = min(memory, key=lambda r: r["ratio"])
+    rate = best["bytes"] / best["measured_s"] / 1e9
+    fast = [r for r in memory if r["ratio"] < 1]
+    if not fast:
+        return (f"None of the {len(memory)} ops that read from memory ran faster than its "
+                f"prediction; the closest, {best['name']}, took {best['ratio']:.2f}× it "
+                f"({rate:.1f} GB/s against the ceiling's {bandwidth / 1e9:.1f}).")
+    times = best["footprint_bytes"] / llc_bytes
+    return (f"{len(fast)} of the {len(memory)} ops that read from memory ran faster than their "
+            f"prediction; the fastest, {best['name']}, took {best['ratio']:.2f}× it, reading at "
+            f"{rate:.1f} GB/s against the ceiling's {bandwidth / 1e9:.1f}. Its copies touch "
+            f"{times:.1f} times the cache, yet a last-level cache does not evict strictly the "
+            "oldest line first, so part of the rotation is still there when its turn comes: "
+            "these ops are partly cache-resident, and the memory ceiling is not a bound for "
+            "them.")
+
+
+def step_products_timer(model, batch: int) -> Callable[[], torch.Tensor]:
+    """A callable that runs only the weight products of one decode step for `batch`
+    sequences: x [batch, 1, k] times every layer matrix of `model` (labkit's fused qkv,
+    o_proj, gate_up, down) and the LM head, through the same call the forward pass makes
+    (`F.linear` on a weight tensor, or the weight's own module). Everything else in the step
+    (norms, RoPE, attention, elementwise work) is left out, so the step's time minus this
+    one is what the rest costs."""
+    weights = [getattr(layer, name) for layer in model.layers
+               for name in ("qkv", "o_proj", "gate_up", "down")] + [model.lm_head]
+    inputs = {}
+    for w in weights:
+        k = int(w.shape[-1])
+        inputs.setdefault(k, torch.randn(batch, 1, k))
+
+    def products() -> torch.Tensor:
+        out = None
+        for w in weights:
+            x = inputs[int(w.shape[-1])]
+            out = F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
+        return out
+    return products
+
+
+def measure_step_products(model, batches: list[int], *, rounds: int = 7,
+                          threads: int | None = None) -> list[dict]:
+    """Time the weight products of one decode step (`step_products_timer`) at every batch
+    size, interleaved as `measure_decode_steps` times the steps. Each row: batch,
+    products_s (median) with its bootstrap 95% interval (low_s, high_s), the weight bytes
+    the products read (float32, once per call), and weight_gbs, the rate they read them."""
+    from labkit.util.compare import median_interval
+    from labkit.util.timing import measure_interleaved
+
+    runners = {b: step_products_timer(model, b) for b in batches}
+    timings = measure_interleaved(runners, rounds=rounds, warmup=1, threads=threads)
+    weight_bytes = float(sum(F32 * getattr(layer, n).shape[0] * getattr(layer, n).shape[1]
+                             for layer in model.layers
+                             for n in ("qkv", "o_proj", "gate_up", "down"))
+                         + F32 * model.lm_head.shape[0] * model.lm_head.shape[1])
+    rows = []
+    for b in batches:
+        t = timings[b]
+        low, high = median_interval(t.samples)
+        rows.append({"batch": b, "products_s": t.median, "low_s": low, "high_s": high,
+                     "weight_bytes": weight_bytes, "weight_gbs": weight_bytes / t.median / 1e9})
+    return rows
+
+
+def largest_step_jump(steps: list[dict], products: list[dict]) -> dict:
+    """Where the decode step's time jumps most between neighbouring batch sizes, and how
+    much of that jump the weight products alone carry.
+
+    `steps` are rows of `measure_decode_steps` (batch, measured_s), `products` rows of
+    `measure_step_products` (batch, products_s), both in increasing batch order over the
+    same batch sizes. The jump is the largest ratio of a step's median time to the one
+    before it (a step reads every weight once whatever its batch, so while it is bound by
+    memory a larger batch should cost little more). Returns the two batch sizes, the step's and the
+    products' times at both, and `products_share`: the products' growth over the step's
+    (under 0 or over 1 where the rest of the step shrank or grew more)."""
+    by_batch = {r["batch"]: r["products_s"] for r in products}
+    order = [r for r in steps if r["batch"] in by_batch]
+    if len(order) < 2:
+        raise ValueError("need the step and the products at two batch sizes at least")
+    pairs = list(zip(order, order[1:]))
+    before, after = max(pairs, key=lambda p: p[1]["measured_s"] / p[0]["measured_s"])
+    a, b = before["batch"], after["batch"]
+    step_growth = after["measured_s"] - before["measured_s"]
+    products_growth = by_batch[b] - by_batch[a]
+    return {"from_batch": a, "to_batch": b, "step_from_s": before["measured_s"],
+            "step_to_s": after["measured_s"], "products_from_s": by_batch[a],
+            "products_to_s": by_batch[b],
+            "step_ratio": after["measured_s"] / before["measured_s"],
+            "products_ratio": by_batch[b] / by_batch[a],
+            "products_share": products_growth / step_growth if step_growth > 0 else float("nan")}
+
+
+def jump_reading(jump: dict) -> str:
+    """The sentence for `largest_step_jump`: whether the weight products carry the step's
+    largest jump (at least half of its growth), the rest of the step does, or there was no
+    growth to explain."""
+    a, b = jump["from_batch"], jump["to_batch"]
+    head = (f"The step's largest jump is from batch {a} to batch {b}: "
+            f"{jump['step_from_s'] * 1e3:.1f} to {jump['step_to_s'] * 1e3:.1f} ms "
+            f"({jump['step_ratio']:.2f}×). The weight products alone, timed on their own, went "
+            f"from {jump['products_from_s'] * 1e3:.1f} to {jump['products_to_s'] * 1e3:.1f} ms "
+            f"({jump['products_ratio']:.2f}×)")
+    share = jump["products_share"]
+    if share != share:  # NaN: the step did not grow
+        return head + "; the step did not grow, so there is no jump to explain."
+    if share >= 0.5:
+        return (head + f", {share:.0%} of the step's growth: the jump is the products'. They "
+                f"read the same weights at both sizes, so at {b} rows the library's kernel "
+                f"streamed them {jump['products_ratio']:.2f} times more slowly than at {a}.")
+    return (head + f", only {max(share, 0.0):.0%} of the step's growth: the jump is in the rest "
+            "of the step (norms, attention, elementwise work), not in the weight products.")
 
 
 def products_vs_step(measured_s: float, predicted_s: float, products_s: float) -> str:
