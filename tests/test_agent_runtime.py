@@ -211,6 +211,10 @@ def test_escapes_end_as_tool_errors_while_the_server_serves_others(server):
     for thread in threads:
         thread.join(timeout=60)
     assert all(a.completion_tokens > 0 for a in answers)
+    starved = {name: r.detail for name, r in results.items() if r.error is ErrorKind.TIMEOUT
+               and name not in ("fork bomb", "loop") and (r.cpu_s or 0.0) < 0.5}
+    if starved:  # the tools run at idle priority: a machine with every core busy gives them none
+        pytest.skip(f"escapes killed by the wall clock before they had CPU: {starved}")
     assert spans["fork bomb"][0] < answered and spans["fork bomb"][1] > asked  # they overlapped
     assert {name: r.ok for name, r in results.items()} == {name: False for name in escapes}
     assert results["fork bomb"].error in (ErrorKind.TIMEOUT, ErrorKind.CPU)

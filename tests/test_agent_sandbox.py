@@ -18,7 +18,19 @@ from pathlib import Path
 import pytest
 
 from labkit.agent import confine
-from labkit.agent.sandbox import RUN_UID_BASE, ErrorKind, Limits, Sandbox, SandboxUnavailable
+from labkit.agent.sandbox import (RUN_UID_BASE, ErrorKind, Limits, Sandbox, SandboxUnavailable,
+                                  tree_cpu_seconds)
+
+# A run killed by the wall clock after less CPU than this was starved, not stuck: it runs at
+# the lowest priority, and a machine whose cores are all busy gives it next to nothing.
+STARVED_CPU_S = 0.5
+
+
+def skip_if_starved(result) -> None:
+    """The check cannot run on a machine too busy to give the tool CPU: say so, do not pass."""
+    if result.error is ErrorKind.TIMEOUT and result.cpu_s is not None and result.cpu_s < STARVED_CPU_S:
+        pytest.skip(f"the machine gave the tool {result.cpu_s:.2f} s of CPU before the wall-clock "
+                    f"limit (it runs at idle priority): {result.detail}")
 
 LIMITS = Limits(wall_s=20, cpu_s=2, memory_bytes=512 << 20, nproc=16, file_bytes=1 << 20,
                 output_bytes=4096)
@@ -155,13 +167,44 @@ def test_a_sleeper_is_killed_at_the_wall_clock_limit(sandbox):
     result = Sandbox(Limits(wall_s=1)).run_python("import time; time.sleep(60)")
     assert not result.ok and result.error is ErrorKind.TIMEOUT
     assert time.monotonic() - start < 1 + 5
+    assert result.cpu_s is not None and result.cpu_s < 1.0  # it slept
+    assert f"after {result.cpu_s:.2f} s of CPU time" in result.detail
 
 
 @pytest.mark.parametrize("code", ["b = bytearray(4 << 30)", "b = b'x' * (4 << 30)",
                                   "b = [bytearray(64 << 20) for _ in range(64)]"])
 def test_a_huge_allocation_is_refused(sandbox, code):
     result = sandbox.run_python(code)
+    skip_if_starved(result)
     assert not result.ok and result.error is ErrorKind.MEMORY, result.detail
+
+
+def test_the_cpu_a_process_tree_had_is_read_from_proc():
+    """Against the processes' own clocks: a child that burns CPU and starts a grandchild that
+    does too; tree_cpu_seconds(child) while both sleep equals the sum they report."""
+    import subprocess
+    import sys
+
+    burn = ("import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+            "print(time.process_time(), flush=True)\n")
+    code = (f"import subprocess, sys, time\nexec({burn!r})\n"
+            f"g = subprocess.Popen([sys.executable, '-c', {burn + 'time.sleep(30)'!r}])\n"
+            "print(g.pid, flush=True)\ntime.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    grandchild = None
+    try:
+        lines = [child.stdout.readline().strip() for _ in range(3)]  # two times and a pid, any order
+        grandchild = int(next(line for line in lines if "." not in line))
+        reported = [float(line) for line in lines if "." in line]
+        time.sleep(0.2)
+        had = tree_cpu_seconds(child.pid)
+    finally:
+        if grandchild is not None:
+            os.kill(grandchild, 9)
+        child.kill()
+        child.wait()
+    assert abs(had - sum(reported)) < 0.25, (had, reported)  # start-up and clock ticks apart
+    assert had > 0.8
 
 
 def test_nothing_of_the_environment_is_inherited(sandbox, monkeypatch):

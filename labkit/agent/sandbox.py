@@ -90,6 +90,7 @@ class ToolResult:
     exit_code: int | None = None
     signal: int | None = None
     elapsed_s: float = 0.0
+    cpu_s: float | None = None       # CPU time the run had had when the wall clock killed it
 
     @classmethod
     def success(cls, output: str, **fields) -> ToolResult:
@@ -211,10 +212,14 @@ class Sandbox:
         self.last_priority = status.get("priority", "")
         out = ending.stdout.decode(errors="replace")
         err = ending.stderr.decode(errors="replace")
-        fields = {"exit_code": status.get("exit"), "signal": status.get("signal"), "elapsed_s": elapsed}
+        fields = {"exit_code": status.get("exit"), "signal": status.get("signal"), "elapsed_s": elapsed,
+                  "cpu_s": ending.cpu_s}
         if ending.timed_out:
+            # The run is at the lowest CPU priority: on a busy machine it may have had next to
+            # no CPU in its wall-clock time, and the caller should be able to tell.
             return ToolResult.failure(ErrorKind.TIMEOUT, f"killed at the wall-clock limit "
-                                      f"({self.limits.wall_s} s)", out, **fields)
+                                      f"({self.limits.wall_s} s) after {ending.cpu_s:.2f} s of CPU time",
+                                      out, **fields)
         if ending.over_output:
             return ToolResult.failure(ErrorKind.OUTPUT_LIMIT, f"killed past {self.limits.output_bytes} "
                                       "bytes of output", out, **fields)
@@ -248,6 +253,28 @@ def feed(pipe, data: bytes) -> None:
         pass  # the tool did not read it all: its business
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user and system, its reaped children's included) that process `root` and
+    every live process under it have had, read from /proc."""
+    parents, used = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(name)] = int(fields[1])  # fields from the state on: ppid, ..., utime at 11
+        used[int(name)] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(used.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
 def all_zombies(pgid: int) -> bool:
     """Whether every process left in the group has exited (zombies wait for a reaper)."""
     for name in os.listdir("/proc"):
@@ -270,6 +297,7 @@ class Ending:
     returncode: int
     timed_out: bool
     over_output: bool
+    cpu_s: float | None = None  # measured only when the wall clock ran out
 
 
 class Collector:
@@ -306,11 +334,13 @@ class Collector:
         selector.register(self.proc.stderr.fileno(), selectors.EVENT_READ, "stderr")
         selector.register(self.status_fd, selectors.EVENT_READ, "status")
         timed_out = over_output = False
+        cpu_s = None
         try:
             while selector.get_map():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True
+                    cpu_s = tree_cpu_seconds(self.proc.pid)
                     break
                 for key, _ in selector.select(timeout=left):
                     data = os.read(key.fd, 65536)
@@ -334,4 +364,4 @@ class Collector:
             self.proc.stderr.close()
         cap = self.limits.output_bytes
         return Ending(bytes(chunks["stdout"][:cap]), bytes(chunks["stderr"][:cap]), bytes(chunks["status"]),
-                      returncode, timed_out, over_output)
+                      returncode, timed_out, over_output, cpu_s)
