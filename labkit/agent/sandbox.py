@@ -253,19 +253,24 @@ def feed(pipe, data: bytes) -> None:
         pass  # the tool did not read it all: its business
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds (user and system, its reaped children's included) that process `root` and
-    every live process under it have had, read from /proc."""
-    parents, used = {}, {}
+def process_stats():
+    """(pid, /proc/PID/stat fields from the state on) of every process still readable."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            yield int(name), Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        parents[int(name)] = int(fields[1])  # fields from the state on: ppid, ..., utime at 11
-        used[int(name)] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user and system, its reaped children's included) that process `root` and
+    every live process under it have had, read from /proc."""
+    parents, used = {}, {}
+    for pid, fields in process_stats():
+        parents[pid] = int(fields[1])  # fields from the state on: ppid, ..., utime at 11
+        used[pid] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
     tree, frontier = {root}, [root]
     while frontier:
         parent = frontier.pop()
@@ -277,16 +282,7 @@ def tree_cpu_seconds(root: int) -> float:
 
 def all_zombies(pgid: int) -> bool:
     """Whether every process left in the group has exited (zombies wait for a reaper)."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
-            return False
-    return True
+    return all(int(fields[2]) != pgid or fields[0] == "Z" for _, fields in process_stats())  # pgrp, state
 
 
 @dataclass
