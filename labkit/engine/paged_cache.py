@@ -199,7 +199,7 @@ class PagedBatch:
         for s in self.prefill:
             if s.start == 0:  # a whole prompt: plain causal attention over its own k, v, as stored
                 kk, vv = (self._as_stored(t[:, :, s.rows]) for t in (k, v))
-                out[:, :, :, s.rows] = causal_attention(q[:, :, :, s.rows], kk, vv)
+                out[:, :, :, s.rows] = grouped_attention(q[:, :, :, s.rows], kk, vv, 0)
                 continue
             kk, vv = self._gather(layer, s.blocks, q.dtype)  # [kv_heads, S', D]
             kk, vv = kk[None, :, :s.length], vv[None, :, :s.length]
@@ -266,9 +266,3 @@ def _padded_tables(segments: list[Segment]) -> torch.Tensor:
     for i, s in enumerate(segments):
         tables[i, :len(s.blocks)] = s.blocks
     return tables
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """A prompt attending to itself: `grouped_attention(q, k, v, 0)`, SDPA's causal kernel
-    reading each KV head for its query heads. q [1, kv, group, T, D]; k, v [1, kv, T, D]."""
-    return grouped_attention(q, k, v, 0)

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from labkit.experiments.compilation import forward_step, greedy_run, prefill, step_at
 from labkit.util.timing import Timing, measure_interleaved
-from labkit.engine.paged_cache import KVPool, PagedBatch, causal_attention
+from labkit.engine.paged_cache import KVPool, PagedBatch
 from labkit.kernels import native
 from labkit.kernels.packed import pack_model
-from labkit.models.llama import MATRICES
+from labkit.models.llama import MATRICES, grouped_attention
 
 
 C_GEMV = "packed + C matrix-vector kernel"
@@ -142,7 +142,7 @@ def prefill_attention_timings(config, lengths: list[int], repeats: int,
         out = torch.empty_like(q)
         for start, n in zip(starts, lengths):
             span = slice(start, start + n)
-            out[:, :, :, span] = causal_attention(q[:, :, :, span], k[:, :, span], v[:, :, span])
+            out[:, :, :, span] = grouped_attention(q[:, :, :, span], k[:, :, span], v[:, :, span], 0)
         return out
 
     if native.load() is None:
