@@ -123,9 +123,11 @@ def _attended_keys(new_tokens: int, context: int, attention: str) -> int:
     """Sum over the new tokens of the number of keys each one's scores are computed for.
 
     ``"causal"``: token i (0-based among the new ones) sees context + i + 1 keys, what the
-    mathematics needs, and what SDPA's default kernel computes (up to its block edges) for
-    a whole prompt, which :func:`labkit.models.llama.grouped_attention` hands it with the
-    causal flag. ``"rectangle"``: every new token is scored against all
+    mathematics needs. SDPA's CPU kernel, handed the causal flag for a whole prompt by
+    :func:`labkit.models.llama.grouped_attention`, computes more: whole 512-key blocks up to
+    the diagonal, so the whole square up to 512 tokens
+    (:func:`labkit.experiments.causal_blocks.kernel_scored_pairs`). ``"rectangle"``: every
+    new token is scored against all
     context + new_tokens keys and the future ones are masked afterwards, what a kernel
     given an explicit mask multiplies (ours for a chunk after cached positions, GPT-2's
     naive attention) and what SDPA's math backend multiplies even with the causal flag.
