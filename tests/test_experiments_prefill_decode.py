@@ -379,3 +379,13 @@ def test_slope_dips_name_where_the_slope_fell():
     assert [(d["from"], d["to"]) for d in dips] == [(64, 128), (128, 256)]
     assert all(d["slope"] < d["before"] for d in dips)
     assert phases.slope_dips(phases.loglog_slopes([1, 2, 4], [1.0, 1.5, 3.0])) == []
+
+
+def test_decode_bend_is_claimed_only_when_both_stretches_grow():
+    positions = [16, 64, 256, 512, 1024, 2048, 3072, 4096]
+    bent = [50.0, 50.2, 50.7, 51.4, 52.8, 55.6, 61.0, 67.5]  # 2.7 us, then 5.9 us a position
+    assert "steepens past about 2,048" in phases.decode_bend_words(positions, bent)
+    straight = [50 + 0.003 * p for p in positions]
+    assert "no bend" in phases.decode_bend_words(positions, straight)
+    noisy = [60.0, 40.0, 39.0, 38.0]  # falling: negative growth is noise, never a bend
+    assert "no bend" in phases.decode_bend_words([16, 128, 256, 512], noisy)

@@ -606,6 +606,28 @@ def decode_growth_words(line: dict, bytes_ratio: float, margin: float = 0.0) -> 
     return f"{head}, about as the bytes a step reads grew ({bytes_text}), {within}"
 
 
+def decode_bend_words(positions: Sequence[int], medians_ms: Sequence[float],
+                      steeper: float = 1.5) -> str:
+    """Does a decode curve bend? The median step's growth per cached position (µs) over its
+    first stretch (first position to the last one at or below half the longest) and its
+    last (from there to the longest), in words: "steepens" only when both growths are
+    positive and the second is more than `steeper` times the first; else no bend is
+    claimed. A line fitted to a bent curve reads one slope for two."""
+    pairs = sorted(zip(positions, medians_ms))
+    first, last = pairs[0], pairs[-1]
+    mid = max(p for p in pairs if p[0] <= last[0] // 2)
+    if mid[0] == first[0]:
+        raise ValueError("a bend needs a position between the first and half the last")
+    early = (mid[1] - first[1]) / (mid[0] - first[0]) * 1e3
+    late = (last[1] - mid[1]) / (last[0] - mid[0]) * 1e3
+    bend = (f"the median step grew {early:.1f} µs per cached position from {first[0]:,} to "
+            f"{mid[0]:,} and {late:.1f} µs from {mid[0]:,} to {last[0]:,}")
+    if early > 0 and late > steeper * early:
+        return (f"The line hides a bend: {bend}, so the growth steepens past about "
+                f"{mid[0]:,} positions and a per-byte reading depends on the range chosen.")
+    return f"Read by its two stretches, {bend}: no bend of more than {steeper:g} times."
+
+
 def gap_summary(timeline: dict) -> dict:
     """The short request's inter-token gaps (seconds) before the long request arrived,
     while its prompt was being prefilled, and after: median and maximum of each, and the
@@ -703,7 +725,7 @@ __all__ = [
     "long_request_times", "schedules_in_turns",
     "chunking_verdict", "gap_verdict", "prefill_scores", "scored_share", "decode_line",
     "prefill_attention_inputs", "prefill_attention_calls", "attention_prefill_times",
-    "slope_dips", "median_index",
+    "slope_dips", "median_index", "decode_bend_words",
     "decode_growth_words", "gap_summary",
     "reference_phase_times", "plot_timeline",
 ]
