@@ -261,3 +261,81 @@ def test_bf16_instruction_phrase_reads_the_flags():
     assert not native and "no arithmetic instructions" in text and "float16" not in text
     native, text = bf16_instruction_phrase(["avx512f", "avx512_bf16"])
     assert native and "float16" not in text
+
+
+def test_interleaved_attention_takes_turns(monkeypatch):
+    """The decode verdicts compare calls timed in turns: A, B, A, B, ..., never all of A
+    first. Recording implementations stand in for the real ones."""
+    from labkit.experiments import attention_cost
+
+    order = []
+    for name in ("naive", "sdpa"):
+        monkeypatch.setitem(attention_cost.IMPLEMENTATIONS, name,
+                            lambda q, k, v, name=name: order.append(name))
+    got = attention_cost.interleaved_attention([("naive", MHA12), ("sdpa", SMOLLM2)], 1, 16,
+                                               rounds=3, warmup=1)
+    assert order == ["naive", "sdpa"] + ["naive", "sdpa"] * 3
+    assert sorted(got) == [f"naive, {MHA12.name}", f"sdpa, {SMOLLM2.name}"]
+    assert all(len(samples) == 3 and min(samples) > 0 for samples in got.values())
+    with pytest.raises(ValueError, match="unknown implementation"):
+        attention_cost.interleaved_attention([("flash", MHA12)], 1, 16, rounds=3)
+
+
+def test_time_ratio_words_let_the_samples_pick_the_winner():
+    from labkit.experiments.attention_cost import time_ratio_words
+
+    slow, fast = [2.0, 2.1, 1.9, 2.05, 1.95], [1.0, 1.05, 0.95, 1.02, 0.98]
+    c, words = time_ratio_words(slow, fast)
+    assert c.ratio == pytest.approx(2.0) and words.endswith("SDPA was faster")
+    assert words.startswith("naive attention took 2.00 times as long as SDPA (95% interval")
+    c, words = time_ratio_words(fast, slow)  # the "slow" name was the faster one
+    assert c.ratio == pytest.approx(0.5) and words.endswith("naive attention was faster")
+    _, words = time_ratio_words([1.0, 1.1, 0.9, 1.05], [1.02, 0.92, 1.08, 0.97])
+    assert words.endswith("a tie within the noise")
+
+
+def test_skipped_baseline_gives_no_ratio_and_no_number_in_the_table():
+    """At 16,384 tokens naive attention is refused (memory) while SDPA runs: no ratio is made
+    of the missing baseline, and the peak table says "not run", distinct from a failed
+    measurement."""
+    import pandas as pd
+    from labkit.experiments.attention_cost import peak_cells, records_frame, speedups
+
+    ran = measure_attention("sdpa", MHA12, 32, repeats=1, warmup=0)
+    refused = measure_attention("naive", MHA12, 32, memory_fraction=0.0)
+    unseen = dict(ran, peak_seen=False)
+    df = records_frame([refused, ran])
+    assert speedups(df).empty
+    cells = list(peak_cells(records_frame([refused, ran, unseen])))
+    assert cells[0].startswith("not run") and cells[2].startswith("not seen")
+    assert float(cells[1]) == pytest.approx(ran["peak_bytes"] / MiB, abs=0.05)
+    assert not pd.isna(ran["faults_per_call"]) and len(ran["samples_s"]) == 1
+
+
+def test_fresh_memory_every_call_shows_in_the_faults_per_call(monkeypatch):
+    """`faults_per_call` counts the pages a call maps in: a call that writes 64 MiB mapped
+    fresh each time (above glibc's mmap threshold, so unmapped again on free) faults at
+    least once per 2 MiB even with huge pages; a call that allocates nothing does not."""
+    from labkit.experiments import attention_cost
+
+    monkeypatch.setitem(attention_cost.IMPLEMENTATIONS, "naive",
+                        lambda q, k, v, causal=True: torch.ones(16 * MiB).sum())
+    monkeypatch.setitem(attention_cost.IMPLEMENTATIONS, "sdpa", lambda q, k, v, causal=True: q)
+    fresh = measure_attention("naive", MHA12, 8, repeats=4, warmup=1)
+    idle = measure_attention("sdpa", MHA12, 8, repeats=4, warmup=1)
+    assert fresh["faults_per_call"] >= 32 > idle["faults_per_call"]
+
+
+def test_a_series_keeps_its_colour_whatever_else_is_drawn():
+    import pandas as pd
+    from labkit.experiments import attention_cost
+
+    def colours(pairs):
+        df = pd.DataFrame([{"shape_name": s, "impl": i, "length": 1} for s, i in pairs])
+        return {label: colour for _, label, _, _, colour in attention_cost.series_styles(df)}
+
+    every = colours([(SMOLLM2.name, "naive"), (SMOLLM2.name, "sdpa"),
+                     (SMOLLM2.name, "sdpa_gqa"), (MHA12.name, "naive"), (MHA12.name, "sdpa")])
+    fewer = colours([(MHA12.name, "naive"), (SMOLLM2.name, "sdpa_gqa")])
+    assert all(every[label] == colour for label, colour in fewer.items())
+    assert len(set(every.values())) == 5

@@ -299,3 +299,93 @@ def test_position_agreement_at_the_stated_tolerance_can_fail():
     tie = torch.tensor([[1.0, 1.0001, 0.0]])  # a gap of 1e-4, flipped by 2e-4: within 2e-3
     flipped = torch.tensor([[1.0002, 1.0001, 0.0]])
     assert phases.position_agreement(tie, flipped, tolerance=tolerance()).excused == 1
+
+
+def test_attention_prefill_calls_are_the_calls_the_model_makes(tiny, monkeypatch):
+    """`prefill_attention_calls` must time what the model hands SDPA, call for call: a spy
+    records each call's query and key lengths, causal flag and mask, in the model's chunked
+    prefill (one layer's share) and in the helper, for one pass and for chunks."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        mask = None if attn_mask is None else attn_mask.tolist()
+        seen.append((tuple(q.shape), tuple(k.shape), is_causal, mask))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v = phases.prefill_attention_inputs(TINY, 10)
+    for chunk in (None, 4, 3):
+        seen.clear()
+        phases.chunked_prefill(tiny, ids(10), chunk or 10)
+        per_layer = seen[::TINY.num_layers]  # each pass calls every layer in turn: layer 0's
+        seen.clear()
+        phases.prefill_attention_calls(q, k, v, chunk)
+        assert seen == per_layer, chunk
+
+
+def test_attention_prefill_times_take_turns(monkeypatch):
+    order = []
+    monkeypatch.setattr(phases, "prefill_attention_calls",
+                        lambda q, k, v, chunk=None: order.append("chunked" if chunk else "one"))
+    got = phases.attention_prefill_times(TINY, 8, 4, rounds=3, warmup=1)
+    assert order == ["one", "chunked"] * 4
+    assert sorted(got) == ["chunked", "one pass"] and all(len(s) == 3 for s in got.values())
+
+
+def test_the_drawn_round_is_the_median_one(tiny, monkeypatch):
+    """The chapter draws and quotes the round whose long-request TTFT is the median, never
+    the last (which may be the slowest)."""
+    assert phases.median_index([2.0, 3.0, 1.0]) == 0
+    assert phases.median_index([5.0, 1.0, 3.0, 2.0]) == 3  # the lower middle of four
+    ttfts = iter([2.0, 9.0, 3.0, 8.0, 1.0, 7.0])  # one pass, chunks, one pass, ...
+
+    def fake(model, short, long, chunk=None, **kwargs):
+        t = next(ttfts)
+        return {"chunk": chunk, "arrival": 0.0, "passes": [("long", phases.PREFILL, 0.0, t, 4)],
+                "short": {"token_times": [0.0, t + 0.1]}, "long": {"token_times": [t]}}
+
+    monkeypatch.setattr(phases, "two_request_timeline", fake)
+    got = phases.schedules_in_turns(tiny, ids(2), ids(4), {"one pass": None, "chunks": 2},
+                                    rounds=3)
+    assert phases.long_request_times(got["one pass"]["median_timeline"])["ttft_s"] == 2.0
+    assert phases.long_request_times(got["chunks"]["median_timeline"])["ttft_s"] == 8.0
+    assert len(got["chunks"]["timelines"]) == 3
+
+
+def test_each_token_keeps_the_scores_it_was_chosen_from(tiny):
+    t = phases.two_request_timeline(tiny, ids(4), ids(12, seed=2), chunk=5, short_tokens=5,
+                                    long_tokens=2, arrive_after=2)
+    for name in ("short", "long"):
+        steps = t[name]["step_logits"]
+        assert [int(s.argmax()) for s in steps] == t[name]["token_ids"]
+
+
+def test_decode_growth_needs_the_practical_margin():
+    def line(ratio, low, high):
+        return {"ratio": ratio, "low": low, "high": high, "confidence": 0.95}
+
+    tight = line(1.37, 1.36, 1.39)  # clears 1.35 by 0.01: noise between sections
+    assert "more than the bytes" in phases.decode_growth_words(tight, 1.35)
+    words = phases.decode_growth_words(tight, 1.35, margin=0.05)
+    assert "about as the bytes" in words and "within 5% of it" in words
+    assert "more than the bytes" in phases.decode_growth_words(line(1.5, 1.45, 1.55), 1.35, 0.05)
+    assert "less than the bytes" in phases.decode_growth_words(line(1.2, 1.18, 1.25), 1.35, 0.05)
+
+
+def test_slope_dips_name_where_the_slope_fell():
+    slopes = phases.loglog_slopes([16, 32, 64, 128, 256], [1.0, 1.3, 2.4, 4.0, 6.0])
+    dips = phases.slope_dips(slopes)
+    assert [(d["from"], d["to"]) for d in dips] == [(64, 128), (128, 256)]
+    assert all(d["slope"] < d["before"] for d in dips)
+    assert phases.slope_dips(phases.loglog_slopes([1, 2, 4], [1.0, 1.5, 3.0])) == []
+
+
+def test_decode_bend_is_claimed_only_when_both_stretches_grow():
+    positions = [16, 64, 256, 512, 1024, 2048, 3072, 4096]
+    bent = [50.0, 50.2, 50.7, 51.4, 52.8, 55.6, 61.0, 67.5]  # 2.7 us, then 5.9 us a position
+    assert "steepens past about 2,048" in phases.decode_bend_words(positions, bent)
+    straight = [50 + 0.003 * p for p in positions]
+    assert "no bend" in phases.decode_bend_words(positions, straight)
+    noisy = [60.0, 40.0, 39.0, 38.0]  # falling: negative growth is noise, never a bend
+    assert "no bend" in phases.decode_bend_words([16, 128, 256, 512], noisy)

@@ -30,6 +30,7 @@ import ctypes
 import gc
 import math
 import re
+import resource
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 
 from labkit.util.machine import last_level_cache_bytes  # noqa: F401 - the chapter's ac.last_level_cache_bytes()
 from labkit.util.machine import isa_flags
-from labkit.util.timing import PeakMemory, measure, num_threads, synchronize
+from labkit.util.compare import Comparison, compare
+from labkit.util.timing import PeakMemory, measure, measure_interleaved, num_threads, synchronize
 from labkit.kernels.attention import causal_mask, naive_attention, score_tensor_bytes, sdpa_attention
 
 GiB = 2**30
@@ -63,6 +65,12 @@ def release_free_heap() -> bool:
         return False
     trim(0)  # its result says whether anything was released, not whether it could be
     return True
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (``getrusage``): pages the kernel had to
+    map in on first touch, without reading anything from disk."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class ResidentPeak:
@@ -271,8 +279,11 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
     failed measurement), the formulas
     (``formula_bytes`` = one score tensor, ``formula_softmax_bytes``, ``output_bytes``,
     ``kv_bytes``, ``naive_model_bytes``) and ``kv_gb_per_s`` (K/V bytes over the median
-    time). When the naive path's predicted peak exceeds ``memory_fraction`` of the free
-    memory, nothing runs and ``skipped`` gives the reason (timing and memory are None).
+    time), ``samples_s`` (the timed calls) and ``faults_per_call`` (minor page faults of the
+    process per call after the first, :func:`minor_faults`: a call whose tensors are mapped
+    fresh from the kernel faults on every page it touches). When the naive path's predicted
+    peak exceeds ``memory_fraction`` of the free memory, nothing runs and ``skipped`` gives
+    the reason (timing and memory are None).
     Inputs and outputs are freed before returning.
     """
     if impl_name not in IMPLEMENTATIONS:
@@ -294,7 +305,7 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
         "median_s": None, "p25_s": None, "p75_s": None, "spread": None, "repeats": 0,
         "warmup": warmup, "threads": None, "peak_rss_bytes": None, "peak_cuda_bytes": None,
         "peak_bytes": None, "memory_method": None, "peak_seen": None, "kv_gb_per_s": None,
-        "skipped": None,
+        "samples_s": None, "faults_per_call": None, "skipped": None,
     }
     needed = record["naive_model_bytes"] if impl_name == "naive" else 4 * sizes["output"]
     available = _available_bytes(device)
@@ -318,9 +329,12 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
         with ResidentPeak(release_free=release_free) as peak:
             call()
             synchronize(device if on_cuda else None)
+    faults_before = minor_faults()
     timing = measure(call, name=f"{impl_name} {shape.name} {q_len}x{kv_len}",
                      repeats=repeats, warmup=max(warmup - 1, 0), threads=threads,
                      device=device if on_cuda else None)
+    calls = len(timing.samples) + max(warmup - 1, 0)
+    faults_per_call = (minor_faults() - faults_before) / calls
     del q, k, v
     _release(device)
     record.update({
@@ -329,7 +343,8 @@ def measure_attention(impl_name: str, shape: AttentionShape, q_len: int, kv_len:
         "warmup": max(warmup, 1),
         "threads": timing.threads, "peak_rss_bytes": peak.delta_bytes,
         "memory_method": "CUDA allocator peak" if on_cuda else peak.method,
-        "kv_gb_per_s": sizes["kv"] / timing.median / 1e9,
+        "kv_gb_per_s": sizes["kv"] / timing.median / 1e9, "samples_s": list(timing.samples),
+        "faults_per_call": faults_per_call,
     })
     if on_cuda:
         record["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device) - cuda_start
@@ -361,6 +376,43 @@ def sweep(lengths: Iterable[int], impls: Sequence[str], shape: AttentionShape,
                                              seed=seed, threads=threads,
                                              release_free=release_free))
     return records
+
+
+def interleaved_attention(calls: Sequence[tuple[str, AttentionShape]], q_len: int, kv_len: int,
+                          *, rounds: int, warmup: int = 2, threads: int | None = None,
+                          dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, list[float]]:
+    """Time attention calls in turns (A, B, C, A, B, C, ...; :func:`labkit.util.timing.
+    measure_interleaved`), so that a slow spell of a shared machine falls on all of them: the
+    samples that :func:`time_ratio_words` compares. ``calls`` are (implementation name, shape)
+    pairs, each with its own seeded inputs, built once; returns "impl, shape name" -> the
+    ``rounds`` samples in seconds. The causal flag is on, as in :func:`sweep`."""
+    runners = {}
+    for impl_name, shape in calls:
+        if impl_name not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown implementation {impl_name!r}; known: {sorted(IMPLEMENTATIONS)}")
+        q, k, v = attention_inputs(shape.batch, shape.heads, shape.kv_heads, q_len, kv_len,
+                                   shape.head_dim, dtype, seed)
+        impl = IMPLEMENTATIONS[impl_name]
+        runners[f"{impl_name}, {shape.name}"] = lambda impl=impl, q=q, k=k, v=v: impl(q, k, v)
+    timings = measure_interleaved(runners, rounds=rounds, warmup=warmup, threads=threads)
+    return {name: list(t.samples) for name, t in timings.items()}
+
+
+def time_ratio_words(slow: Sequence[float], fast: Sequence[float], slow_name: str = "naive attention",
+                     fast_name: str = "SDPA") -> tuple[Comparison, str]:
+    """How long `slow_name` took against `fast_name`, in words the samples support
+    (:func:`labkit.util.compare.compare`, median(slow) / median(fast) with its bootstrap
+    interval): "naive attention took 1.58 times as long as SDPA (95% interval 1.50-1.66): SDPA
+    was faster", "... : naive attention was faster", or "...: a tie within the noise". The
+    names only say which sample is which: the data decide who was faster."""
+    c = compare(fast, slow, name_a=fast_name, name_b=slow_name)
+    head = (f"{slow_name} took {c.ratio:.2f} times as long as {fast_name} "
+            f"({c.confidence:.0%} interval {c.low:.2f}-{c.high:.2f})")
+    if c.verdict == "faster":
+        return c, f"{head}: {fast_name} was faster"
+    if c.verdict == "slower":
+        return c, f"{head}: {slow_name} was faster"
+    return c, f"{head}: a tie within the noise"
 
 
 SIXTEEN_BIT_ARITHMETIC = {
@@ -470,6 +522,20 @@ def records_frame(records: Sequence[dict]):
     return df
 
 
+def peak_cells(df) -> "pd.Series":
+    """The measured peak of each row of a :func:`records_frame` as table text: MiB to one
+    decimal, "not run: <reason>" where the run was skipped by design (its memory would not
+    fit), and "not seen (failed measurement)" where the peak was below the call's own output.
+    The two must not share a label: one is a choice, the other an instrument that failed."""
+    def cell(row) -> str:
+        if isinstance(row["skipped"], str):
+            return "not run (would not fit in memory)"
+        if row["peak_mib"] != row["peak_mib"]:
+            return "not seen (failed measurement)"
+        return f"{row['peak_mib']:.1f}"
+    return df.apply(cell, axis=1)
+
+
 def formula_table(shapes: Sequence[AttentionShape], lengths: Iterable[int],
                   dtypes: Sequence[torch.dtype]):
     """GiB of one prefill score tensor (``q_len = kv_len = length``) for each shape, length
@@ -497,7 +563,8 @@ def speedups(df, baseline: str = "naive"):
         times = dict(zip(group["impl"], group["median_s"]))
         base = times.get(baseline)
         for impl, t in times.items():
-            if impl != baseline and base is not None and t is not None and t == t:
+            # a skipped baseline (NaN: naive at a length that did not fit) gives no ratio
+            if impl != baseline and base is not None and base == base and t is not None and t == t:
                 rows.append({"shape_name": shape, "dtype": dtype, "length": length,
                              "impl": impl, "ratio": base / t})
     return pd.DataFrame(rows, columns=["shape_name", "dtype", "length", "impl", "ratio"])
@@ -549,11 +616,29 @@ def closer_phrase(ratios: Sequence[float], a: str = "naive attention", b: str = 
             f"over {b}'s from {low:.2f} to {high:.2f})")
 
 
-def _series(df):
-    from labkit.util.palette import MARKERS
+SERIES_ORDER = [(SMOLLM2.name, "naive"), (SMOLLM2.name, "sdpa"), (SMOLLM2.name, "sdpa_gqa"),
+                (MHA12.name, "naive"), (MHA12.name, "sdpa")]
+"""The chapter's series in a fixed order: a series keeps its colour and marker in every
+figure, whichever other series a figure draws."""
 
-    for i, ((shape, impl), group) in enumerate(df.groupby(["shape_name", "impl"], sort=False)):
-        yield i, f"{impl}, {shape}", group.sort_values("length"), MARKERS[i % len(MARKERS)]
+
+def series_index(shape_name: str, impl: str) -> int:
+    """The position of a (shape, implementation) series in :data:`SERIES_ORDER` (an unknown
+    one goes after them, by a stable hash of its name), which picks its colour and marker."""
+    key = (shape_name, impl)
+    if key in SERIES_ORDER:
+        return SERIES_ORDER.index(key)
+    return len(SERIES_ORDER) + sum(map(ord, f"{shape_name}{impl}")) % 3
+
+
+def series_styles(df):
+    """(style index, label, rows by length, marker, colour) for each shape and implementation."""
+    from labkit.util.palette import MARKERS, OKABE_ITO
+
+    for (shape, impl), group in df.groupby(["shape_name", "impl"], sort=False):
+        i = series_index(shape, impl)
+        yield (i, f"{impl}, {shape}", group.sort_values("length"), MARKERS[i % len(MARKERS)],
+               OKABE_ITO[i % len(OKABE_ITO)])
 
 
 def plot_memory(ax, df, floor_mib: float = 1.0) -> None:
@@ -567,11 +652,8 @@ def plot_memory(ax, df, floor_mib: float = 1.0) -> None:
     for factor, style in ((1, ":"), (2, "--")):
         ax.plot([lo, hi], [factor * lo, factor * hi], color="0.5", linestyle=style, linewidth=1,
                 label=f"{factor} score tensor{'s' if factor > 1 else ''} (formula)")
-    from labkit.util.palette import OKABE_ITO
-
     ax.axhline(floor_mib, color="0.75", linewidth=1)
-    for i, label, group, marker in _series(df):
-        color = OKABE_ITO[i % len(OKABE_ITO)]
+    for i, label, group, marker, color in series_styles(df):
         above = group[group["peak_mib"] >= floor_mib]
         below = group[group["peak_mib"] < floor_mib]
         ax.plot(above["formula_mib"], above["peak_mib"], marker=marker, color=color, label=label)
@@ -586,8 +668,8 @@ def plot_memory(ax, df, floor_mib: float = 1.0) -> None:
 def plot_times(ax, df) -> None:
     """Median time per call (ms) against sequence length, log-log, one series per shape and
     implementation."""
-    for i, label, group, marker in _series(df):
-        ax.plot(group["length"], group["median_ms"], marker=marker, label=label)
+    for i, label, group, marker, color in series_styles(df):
+        ax.plot(group["length"], group["median_ms"], marker=marker, color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
@@ -617,8 +699,8 @@ def plot_ratios(ax, ratios) -> None:
 def plot_decode_bandwidth(ax, df, cache_bytes: int | None = None) -> None:
     """Decode-shaped calls: K/V bytes read per second (GB/s) against the K/V bytes (MiB),
     log x; a vertical line at the last-level cache size when it is known."""
-    for i, label, group, marker in _series(df):
-        ax.plot(group["kv_mib"], group["kv_gb_per_s"], marker=marker, label=label)
+    for i, label, group, marker, color in series_styles(df):
+        ax.plot(group["kv_mib"], group["kv_gb_per_s"], marker=marker, color=color, label=label)
     if cache_bytes:
         ax.axvline(cache_bytes / MiB, color="0.5", linewidth=1, linestyle="--",
                    label="last-level cache")
@@ -631,7 +713,8 @@ __all__ = [
     "AttentionShape", "SMOLLM2", "MHA12", "IMPLEMENTATIONS", "sdpa_enable_gqa",
     "ResidentPeak", "release_free_heap", "SIXTEEN_BIT_ARITHMETIC", "sixteen_bit_arithmetic",
     "bf16_instruction_phrase", "attention_inputs", "element_bytes", "formula_bytes", "naive_peak_model",
-    "default_schedule", "measure_attention", "sweep", "ulp", "reference_attention", "agreement",
+    "default_schedule", "measure_attention", "sweep", "minor_faults", "interleaved_attention",
+    "time_ratio_words", "peak_cells", "SERIES_ORDER", "series_index", "series_styles", "ulp", "reference_attention", "agreement",
     "GiB", "MiB", "last_level_cache_bytes", "records_frame", "formula_table", "speedups",
     "largest_complete_length", "rate_fall", "closer_phrase", "plot_memory",
     "plot_times", "plot_ratios", "plot_decode_bandwidth",

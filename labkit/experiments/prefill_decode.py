@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from labkit.util.compare import MIN_SAMPLES, compare
-from labkit.util.timing import measure
+from labkit.util.timing import measure, measure_interleaved
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -267,6 +267,7 @@ class _Request:
         self.tokens: list[int] = []
         self.token_times: list[float] = []
         self.last_logits: torch.Tensor | None = None
+        self.step_logits: list[torch.Tensor] = []  # the scores each token was chosen from
 
     @property
     def done(self) -> bool:
@@ -286,6 +287,7 @@ class _Request:
         else:
             logits = self.model(torch.tensor([[self.tokens[-1]]]), cache=self.cache)
             kind, n = DECODE, 1
+        self.step_logits.append(logits.reshape(-1, logits.shape[-1])[-1])
         self.tokens.append(greedy(logits))
         return kind, n
 
@@ -336,7 +338,8 @@ def two_request_timeline(model, short_prompt: Sequence[int], long_prompt: Sequen
     so on, until both are done.
 
     Returns a dict: per request ("short", "long") its token ids, token timestamps (seconds
-    since the loop started) and the last prefill logits; "arrival" (seconds); "passes", a
+    since the loop started), the last prefill logits and the logits each token was chosen
+    from ("step_logits"); "arrival" (seconds); "passes", a
     list of (request, kind, start, seconds, tokens) for every forward pass; and "chunk".
     """
     short = _Request("short", model, short_prompt, short_tokens, None)
@@ -366,7 +369,8 @@ def two_request_timeline(model, short_prompt: Sequence[int], long_prompt: Sequen
     out = {"chunk": chunk, "arrival": arrival, "passes": passes}
     for req in (short, long):
         out[req.name] = {"prompt_tokens": len(req.prompt), "token_ids": req.tokens,
-                         "token_times": req.token_times, "last_logits": req.last_logits}
+                         "token_times": req.token_times, "last_logits": req.last_logits,
+                         "step_logits": req.step_logits}
     return out
 
 
@@ -382,10 +386,13 @@ def schedules_in_turns(model, short_prompt: Sequence[int], long_prompt: Sequence
                        schedules: dict[str, int | None], rounds: int, **kwargs) -> dict:
     """Run `two_request_timeline` for each schedule (name -> chunk, None for one pass),
     `rounds` times in turns (A, B, A, B, ...), so that a slow spell of the machine falls on
-    both. Returns per schedule its last timeline ("timeline") and, from every round, the long
-    request's TTFT and prefill seconds and the short request's worst gap ("ttft_s",
-    "prefill_s", "worst_gap_s": lists)."""
-    out = {name: {"ttft_s": [], "prefill_s": [], "worst_gap_s": []} for name in schedules}
+    both. Returns per schedule its last timeline ("timeline"), every round's ("timelines"),
+    the round whose long-request TTFT is the median one ("median_timeline": the run to draw
+    and to quote, never a slow or fast outlier) and, from every round, the long request's
+    TTFT and prefill seconds and the short request's worst gap ("ttft_s", "prefill_s",
+    "worst_gap_s": lists)."""
+    out = {name: {"ttft_s": [], "prefill_s": [], "worst_gap_s": [], "timelines": []}
+           for name in schedules}
     for _ in range(rounds):
         for name, chunk in schedules.items():
             timeline = two_request_timeline(model, short_prompt, long_prompt, chunk=chunk, **kwargs)
@@ -393,7 +400,19 @@ def schedules_in_turns(model, short_prompt: Sequence[int], long_prompt: Sequence
                 out[name][key].append(value)
             out[name]["worst_gap_s"].append(gap_summary(timeline)["worst_gap_s"])
             out[name]["timeline"] = timeline
+            out[name]["timelines"].append(timeline)
+    for got in out.values():
+        got["median_timeline"] = got["timelines"][median_index(got["ttft_s"])]
     return out
+
+
+def median_index(values: Sequence[float]) -> int:
+    """The index of the median of `values` (of the lower middle one when their number is
+    even): which round to show as the typical one."""
+    if not values:
+        raise ValueError("no values")
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return order[(len(values) - 1) // 2]
 
 
 def _runs_apart(chunked: Sequence[float], one_pass: Sequence[float]):
@@ -444,9 +463,10 @@ def gap_verdict(chunked_gaps: Sequence[float], one_pass_gaps: Sequence[float]) -
 
 
 def prefill_scores(length: int, chunk: int | None = None) -> int:
-    """Attention scores one query head computes to prefill `length` tokens, in one pass
+    """Attention scores one query head hands to SDPA to prefill `length` tokens, in one pass
     (`chunk` None) or in chunks of `chunk`, as labkit's attention
-    (:func:`labkit.models.llama.grouped_attention`) hands the work to SDPA:
+    (:func:`labkit.models.llama.grouped_attention`) hands the work over (the kernel itself
+    computes whole blocks, so it may compute more; see :func:`scored_share`):
 
     - a pass with no cached positions (a whole prompt, or a first chunk) passes
       `is_causal`: the kernel skips the masked upper half and scores the lower triangle with
@@ -465,10 +485,59 @@ def prefill_scores(length: int, chunk: int | None = None) -> int:
 
 
 def scored_share(length: int, chunk: int) -> float:
-    """Attention scores computed by a prefill of `length` tokens in chunks of `chunk`, as a
-    share of one pass's (:func:`prefill_scores`). Above 1 once there are two chunks: the
-    whole prompt takes the causal kernel's triangle, a later chunk its whole rectangle."""
+    """Attention scores handed to SDPA by a prefill of `length` tokens in chunks of `chunk`,
+    as a share of one pass's (:func:`prefill_scores`). Above 1 once there are two chunks: the
+    whole prompt is handed over as the causal triangle, a later chunk as its whole rectangle.
+    What the kernel computes differs from both: it works in blocks of queries and keys and
+    computes a block whole once any of it is needed, so :func:`attention_prefill_times`
+    measures the calls themselves."""
     return prefill_scores(length, chunk) / prefill_scores(length)
+
+
+def prefill_attention_inputs(config, length: int, seed: int = 0):
+    """Seeded (q, k, v) of one layer's attention over `length` tokens in the model's layout
+    (:func:`labkit.models.llama.grouped_attention`): q [1, kv_heads, group, T, D], k and v
+    [1, kv_heads, T, D]."""
+    g = torch.Generator().manual_seed(seed)
+    kv, group, dim = config.num_kv_heads, config.group_size, config.head_dim
+    return (torch.randn(1, kv, group, length, dim, generator=g),
+            torch.randn(1, kv, length, dim, generator=g), torch.randn(1, kv, length, dim, generator=g))
+
+
+def prefill_attention_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            chunk: int | None = None) -> None:
+    """One layer's attention calls of a prefill, as the model makes them: one
+    `grouped_attention` over the whole prompt (`chunk` None), or one per chunk, each chunk's
+    queries against the keys up to its end, starting at its first position."""
+    from labkit.models.llama import grouped_attention
+
+    length = q.shape[3]
+    chunk = chunk or length
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        grouped_attention(q[:, :, :, start:end], k[:, :, :end], v[:, :, :end], start)
+
+
+def attention_prefill_times(config, length: int, chunk: int, *, rounds: int, warmup: int = 1,
+                            seed: int = 0) -> dict[str, list[float]]:
+    """Seconds of one layer's attention calls to prefill `length` tokens in one pass and in
+    chunks of `chunk` (:func:`prefill_attention_calls`, labkit's own attention path on
+    seeded inputs of the model's shape), timed in turns (one pass, chunked, one pass, ...) so
+    that a slow spell falls on both: {"one pass": samples, "chunked": samples}. This is what
+    the kernel does with what it is handed, where :func:`scored_share` only counts it."""
+    q, k, v = prefill_attention_inputs(config, length, seed)
+    runners = {"one pass": lambda: prefill_attention_calls(q, k, v),
+               "chunked": lambda: prefill_attention_calls(q, k, v, chunk)}
+    timings = measure_interleaved(runners, rounds=rounds, warmup=warmup)
+    return {name: list(t.samples) for name, t in timings.items()}
+
+
+def slope_dips(slopes: Sequence[dict]) -> list[dict]:
+    """Where a curve's log-log slope fell from one interval to the next (:func:`loglog_slopes`'
+    records, in order): each dip as {"from", "to"} of the interval whose slope is lower
+    than the one before it, with "before" and "slope". Empty when the slope never fell."""
+    return [{"from": b["from"], "to": b["to"], "before": a["slope"], "slope": b["slope"]}
+            for a, b in zip(slopes, slopes[1:]) if b["slope"] < a["slope"]]
 
 
 def _median(values: torch.Tensor) -> torch.Tensor:
@@ -513,25 +582,50 @@ def decode_line(positions: Sequence[int], samples: Sequence[Sequence[float]], *,
             "high": float(high), "confidence": confidence}
 
 
-def decode_growth_words(line: dict, bytes_ratio: float) -> str:
+def decode_growth_words(line: dict, bytes_ratio: float, margin: float = 0.0) -> str:
     """How a decode step's time grew from the first position to the last (a fitted
     :func:`decode_line`), against the growth of the bytes it reads (all the weights plus the
     cache), in words for the prose: "more than" or "less than" only when the line's whole
-    bootstrap interval lies on that side of the bytes' ratio, else "about as". Under
+    bootstrap interval lies on that side of the bytes' ratio by more than `margin` (a share
+    of it: a practical difference, beyond the drift of the same work between two parts of a
+    run, which the interval of one run does not see), else "about as". Under
     time = a x weight bytes + b x cache bytes, growing faster than the bytes means b > a (a
     cache byte cost more than a weight byte), slower means the opposite or a fixed cost."""
     head = (f"grew {line['ratio']:.2f} times ({line['confidence']:.0%} interval "
             f"{line['low']:.2f}-{line['high']:.2f})")
     bytes_text = f"{bytes_ratio:.2f} times: all the weights plus the cache"
-    if line["low"] > bytes_ratio:
+    if line["low"] > bytes_ratio * (1 + margin):
         return (f"{head}, more than the bytes a step reads ({bytes_text}): counted per byte, "
                 "the work that grows with the position (reading the cache and attending over "
                 "it) cost more than reading the weights")
-    if line["high"] < bytes_ratio:
+    if line["high"] < bytes_ratio * (1 - margin):
         return (f"{head}, less than the bytes a step reads ({bytes_text}): counted per byte, "
                 "the weights cost more than the cache, or part of a step's time does not "
                 "depend on its bytes at all")
-    return f"{head}, about as the bytes a step reads grew ({bytes_text}), within the noise"
+    within = f"within {margin:.0%} of it" if margin else "within the noise"
+    return f"{head}, about as the bytes a step reads grew ({bytes_text}), {within}"
+
+
+def decode_bend_words(positions: Sequence[int], medians_ms: Sequence[float],
+                      steeper: float = 1.5) -> str:
+    """Does a decode curve bend? The median step's growth per cached position (µs) over its
+    first stretch (first position to the last one at or below half the longest) and its
+    last (from there to the longest), in words: "steepens" only when both growths are
+    positive and the second is more than `steeper` times the first; else no bend is
+    claimed. A line fitted to a bent curve reads one slope for two."""
+    pairs = sorted(zip(positions, medians_ms))
+    first, last = pairs[0], pairs[-1]
+    mid = max(p for p in pairs if p[0] <= last[0] // 2)
+    if mid[0] == first[0]:
+        raise ValueError("a bend needs a position between the first and half the last")
+    early = (mid[1] - first[1]) / (mid[0] - first[0]) * 1e3
+    late = (last[1] - mid[1]) / (last[0] - mid[0]) * 1e3
+    bend = (f"the median step grew {early:.1f} µs per cached position from {first[0]:,} to "
+            f"{mid[0]:,} and {late:.1f} µs from {mid[0]:,} to {last[0]:,}")
+    if early > 0 and late > steeper * early:
+        return (f"The line hides a bend: {bend}, so the growth steepens past about "
+                f"{mid[0]:,} positions and a per-byte reading depends on the range chosen.")
+    return f"Read by its two stretches, {bend}: no bend of more than {steeper:g} times."
 
 
 def gap_summary(timeline: dict) -> dict:
@@ -630,6 +724,8 @@ __all__ = [
     "phase_shares", "chunked_prefill", "position_agreement", "two_request_timeline",
     "long_request_times", "schedules_in_turns",
     "chunking_verdict", "gap_verdict", "prefill_scores", "scored_share", "decode_line",
+    "prefill_attention_inputs", "prefill_attention_calls", "attention_prefill_times",
+    "slope_dips", "median_index", "decode_bend_words",
     "decode_growth_words", "gap_summary",
     "reference_phase_times", "plot_timeline",
 ]
