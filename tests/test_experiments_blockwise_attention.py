@@ -9,7 +9,7 @@ import torch
 
 from labkit.experiments.blockwise_attention import (MMAP_THRESHOLD_MAX, allocation_peak,
                                                     compare_methods, first_touch,
-                                                    interval_words, less_first_touch)
+                                                    compare_less_touch, interval_words)
 from labkit.kernels.attention import naive_attention
 from labkit.kernels.blockwise import blockwise_attention
 from labkit.util.compare import compare
@@ -51,10 +51,22 @@ def test_first_touch_faults_in_every_page_each_call():
     assert faults >= 3 * 2 * size // (2 * MiB)
 
 
-def test_less_first_touch_subtracts_and_refuses_a_negative_cost():
-    assert less_first_touch([6.0, 6.2, 6.1], 1.5) == pytest.approx([4.5, 4.7, 4.6])
+def test_compare_less_touch_takes_the_cost_out_and_keeps_its_noise():
+    loop, naive = [1.0, 1.02, 0.98, 1.01, 0.99], [6.0, 6.2, 6.1, 6.05, 6.15]
+    exact = compare_less_touch(loop, naive, [4.0] * 5)
+    assert exact.ratio == pytest.approx((6.1 - 4.0) / 1.0)  # medians: 6.1 - 4.0 over 1.0
+    assert exact.low > 1 and exact.verdict == "faster"
+    # the same medians with a noisy cost: the interval widens by what the cost's calls vary
+    noisy = compare_less_touch(loop, naive, [3.4, 4.0, 4.6, 3.7, 4.3])
+    assert noisy.ratio == pytest.approx(exact.ratio)
+    assert noisy.high - noisy.low > 2 * (exact.high - exact.low)
+    # against the plain compare of naive less a fixed median: never narrower
+    fixed = compare(loop, [s - 4.0 for s in naive])
+    assert noisy.low <= fixed.low and noisy.high >= fixed.high
     with pytest.raises(ValueError):
-        less_first_touch([1.0], -0.1)
+        compare_less_touch(loop, naive, [6.5, 6.6, 6.7])  # the cost is not less than b
+    with pytest.raises(ValueError):
+        compare_less_touch(loop, naive, [1.0, 1.0])
 
 
 def test_interval_words_keep_the_verdict_and_name_the_range_for_what_it_is():

@@ -9,8 +9,9 @@ import torch
 from conftest import assert_argmax_near
 from labkit.eval import eval_text
 from labkit.kernels.quant import quantize_int4, quantize_int8
-from labkit.experiments.quantization import (ENGINE_FLOAT32, decode_runner, float32_paths,
-                                             greedy_tokens, paired_difference,
+from labkit.experiments.quantization import (ENGINE_MODES, changed_tokens_order,
+                                             engine_runner, gains_differ, greedy_tokens,
+                                             paired_difference, per_byte, request_runner,
                                              teacher_forced_matches, window_scores)
 from labkit.models.quantized import (KERNEL_LOGIT_ERROR, QuantizedLlama, error_over_bound,
                                      fake_quantize, gguf_group, quantize_model,
@@ -178,25 +179,64 @@ def test_int4_output_side_is_worse_than_input_side(model):
     assert side_out > side_in * 1.03
 
 
-def test_decode_runner_repeats_the_same_steps(model, ids):
-    run = decode_runner(model, ids, 4)
-    first = run()
-    assert first == run() == greedy_tokens(model, ids, 5)[1:]  # the same model, cache and steps: exact
+def test_request_runner_runs_the_whole_request_each_call(model, ids):
+    run = request_runner(model, ids, 4)
+    assert run() == run() == greedy_tokens(model, ids, 4)  # prefill and steps, every call
     timings = measure_interleaved({"a": run, "b": run}, rounds=2, warmup=0, threads=1)
     assert [len(t.samples) for t in timings.values()] == [2, 2]
     assert all(t.threads == 1 for t in timings.values())
 
 
-def test_speed_baseline_is_the_engines_float32_path(model, ids):
-    from labkit.engine.backends import FastBackend
-    from labkit.kernels.packed import is_packed, pack_model
-    paths = float32_paths(model)
-    assert list(paths) == [ENGINE_FLOAT32, "float32, F.linear"]  # the baseline first
-    assert paths["float32, F.linear"] is model
-    engine = paths[ENGINE_FLOAT32]
-    # the very model the engine's fast backend runs (packed where oneDNN takes the weights)
-    assert engine is FastBackend().prepare(model)
-    if pack_model(model) is not model:
-        assert is_packed(engine) and not is_packed(model)
-    x = torch.tensor([ids])
-    torch.testing.assert_close(engine(x), model(x), rtol=1e-4, atol=1e-3)
+def test_engine_runner_runs_the_named_mode_through_the_engine(model, ids):
+    from labkit.engine.backends import backend_for
+    from labkit.kernels import native
+
+    run = engine_runner(model, "f32", ids, 4)
+    assert run.engine.weights == "f32" and not run.engine.config.prefix_caching
+    first = run()
+    assert first == run() and len(first) == 4  # the same steps every call
+    # each token the plain model's own greedy choice, up to a near-tie (float32 rounding
+    # of another kernel may flip two candidates closer than this)
+    logits = model(torch.tensor([ids + first[:-1]]))[0, len(ids) - 1:]
+    gaps = logits.max(-1).values - logits[torch.arange(len(first)), torch.tensor(first)]
+    assert (gaps <= 2e-3).all(), gaps
+    assert list(ENGINE_MODES) == ["f32", "bf16", "gguf", "gguf-int8"]  # the baseline first
+    if native.load() is not None:
+        blocks = engine_runner(model, "gguf", ids, 2)
+        assert blocks.engine.weights == "gguf"
+        assert type(blocks.engine.model) is type(backend_for(True, "gguf").prepare(model))
+
+
+def test_per_byte_reads_the_interval_against_the_byte_ratio():
+    from labkit.util.compare import Comparison
+
+    def c(ratio, low, high):
+        return Comparison("a", "b", ratio, low, high, 0.95, 7, 7)
+
+    assert per_byte(c(1.5, 1.4, 1.6), 2.0) == "slower per byte"  # half the bytes, 1.5x
+    assert per_byte(c(2.5, 2.2, 2.8), 2.0) == "faster per byte"
+    assert per_byte(c(2.0, 1.8, 2.2), 2.0) == "within the noise"
+    assert per_byte(c(1.9, 1.7, 2.1), 2.0) == "within the noise"  # median below, interval not
+    assert per_byte(c(2.1, 1.9, 2.3), 2.0) == "within the noise"
+    with pytest.raises(ValueError):
+        per_byte(c(1.0, 0.9, 1.1), 0.0)
+
+
+def test_gains_differ_only_when_the_intervals_part():
+    from labkit.util.compare import Comparison
+
+    def c(low, high):
+        return Comparison("2 threads", "1 thread", (low + high) / 2, low, high, 0.95, 7, 7)
+
+    # the review's case: 1.21-1.40 against 1.37-1.59 overlap, so no difference is claimed
+    assert not gains_differ(c(1.21, 1.40), c(1.37, 1.59))
+    assert gains_differ(c(1.0, 1.1), c(1.3, 1.5)) and gains_differ(c(1.3, 1.5), c(1.0, 1.1))
+
+
+def test_changed_tokens_order_needs_a_difference_beyond_chance():
+    assert changed_tokens_order(6, 3, 96) == "too few to order"  # the review's case
+    assert changed_tokens_order(1, 3, 96) == "too few to order"
+    assert changed_tokens_order(2, 30, 96) == "fewer"
+    assert changed_tokens_order(30, 2, 96) == "more"
+    with pytest.raises(ValueError):
+        changed_tokens_order(97, 0, 96)

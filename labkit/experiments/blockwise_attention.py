@@ -123,13 +123,40 @@ def first_touch(sizes, *, repeats: int = 3, warmup: int = 1, threads: int | None
                    warmup=warmup, threads=threads)
 
 
-def less_first_touch(samples, touch_seconds: float) -> list[float]:
-    """Each timed call of a method with ``touch_seconds`` (the median of :func:`first_touch`
-    over that method's fresh allocations) taken out: an estimate of the call's time had its
-    pages been resident already, for comparing it with methods that take none."""
-    if touch_seconds < 0:
-        raise ValueError("a first-touch time cannot be negative")
-    return [s - touch_seconds for s in samples]
+def compare_less_touch(a, b, touch, *, name_a: str = "a", name_b: str = "b",
+                       confidence: float = 0.95, resamples: int = 2000, seed: int = 0):
+    """:func:`labkit.util.compare.compare` of ``a`` against ``b`` with a cost measured apart
+    taken out of ``b``: ``touch`` holds the timed calls of that cost alone (the
+    :func:`first_touch` of ``b``'s fresh allocations). The ratio is
+    (median(b) - median(touch)) / median(a), and its interval resamples all three sets of
+    calls, so the uncertainty of what is subtracted is in it, not only that of ``b``.
+    ValueError with fewer than three calls in any set, or when the cost is not less than
+    every call of ``b`` (then the two measurements do not add up)."""
+    from labkit.util.compare import MIN_SAMPLES, Comparison
+
+    sets = [torch.tensor([float(x) for x in s], dtype=torch.float64) for s in (a, b, touch)]
+    if min(len(s) for s in sets) < MIN_SAMPLES:
+        raise ValueError(f"compare_less_touch needs at least {MIN_SAMPLES} calls in each set")
+    if not float(sets[2].median()) < float(sets[1].min()):
+        raise ValueError("the cost measured apart is not less than every call it is taken from")
+    generator = torch.Generator().manual_seed(seed)
+
+    def medians(values):
+        picks = torch.randint(0, len(values), (resamples, len(values)), generator=generator)
+        ordered = values[picks].sort(dim=1).values
+        n = len(values)
+        return (ordered[:, (n - 1) // 2] + ordered[:, n // 2]) / 2
+
+    def median(values):
+        ordered, n = values.sort().values, len(values)
+        return float((ordered[(n - 1) // 2] + ordered[n // 2]) / 2)
+
+    ratios = (medians(sets[1]) - medians(sets[2])) / medians(sets[0])
+    tail = (1.0 - confidence) / 2
+    low, high = torch.quantile(ratios, torch.tensor([tail, 1.0 - tail], dtype=torch.float64))
+    ratio = (median(sets[1]) - median(sets[2])) / median(sets[0])
+    return Comparison(name_a, name_b, ratio, float(low), float(high), confidence,
+                      len(sets[0]), len(sets[1]))
 
 
 def interval_words(comparison) -> str:
@@ -259,7 +286,7 @@ def compare_at(df, a: str, b: str, length: int):
     return compare(samples(a), samples(b), name_a=a, name_b=b)
 
 
-def speed_owner(loop_vs_naive, fused_vs_loop) -> str:
+def speed_owner(loop_vs_naive, fused_vs_loop, baseline: str = "naive attention") -> str:
     """One sentence saying who owns the fused kernel's speed over naive attention, read
     from two :class:`labkit.util.compare.Comparison` results (ratio = median(b) / median(a)):
     ``loop_vs_naive``, the block-wise loop (``a``) against naive attention (``b``), is what
@@ -268,6 +295,7 @@ def speed_owner(loop_vs_naive, fused_vs_loop) -> str:
     over naive attention, so both are needed: judging from the second alone credits the
     kernel with a speed-up the algorithm made. A step is credited only when its verdict is
     "faster"; one share is called the larger only when the two intervals do not overlap.
+    ``baseline`` names what the loop was measured against (naive attention by default).
     Every branch reads true for its outcome."""
     algo, kernel = loop_vs_naive, fused_vs_loop
     head = "The memory saving belongs to the algorithm"
@@ -279,7 +307,7 @@ def speed_owner(loop_vs_naive, fused_vs_loop) -> str:
             return f"{who} was slower than {against} ({c.ratio:.2f} times its speed)"
         return f"{who} was not faster than {against} beyond the noise (ratio {c.ratio:.2f})"
 
-    loop = step(algo, "the loop alone", "naive attention")
+    loop = step(algo, "the loop alone", baseline)
     fused = step(kernel, "the fused kernel", "the loop")
     if algo.verdict == "faster" and kernel.verdict == "faster":
         if algo.low > kernel.high:
@@ -313,8 +341,14 @@ def time_ratios(df, pairs):
 
 def plot_block_sizes(ax_time, ax_memory, df) -> None:
     """Block-size sweep (``df`` from :func:`records_frame` with a ``block`` column): median
-    time (ms) and extra allocation (MiB) against the block size, log-log, plain tick labels."""
+    time (ms, with the interquartile range of the timed calls) and extra allocation (MiB)
+    against the block size, log-log, plain tick labels."""
     df = df.sort_values("block")
+    if {"p25_s", "p75_s"} <= set(df):  # the interquartile range of the timed calls
+        mid = df["median_ms"].to_numpy(float)
+        ax_time.errorbar(df["block"], mid, yerr=[mid - 1e3 * df["p25_s"].to_numpy(float),
+                                                 1e3 * df["p75_s"].to_numpy(float) - mid],
+                         fmt="none", ecolor="black", lw=1, capsize=3)
     for ax, col, label in ((ax_time, "median_ms", "time per call (ms)"),
                            (ax_memory, "extra_mib", "extra allocated (MiB)")):
         ax.plot(df["block"], df[col], marker="o")
@@ -322,7 +356,7 @@ def plot_block_sizes(ax_time, ax_memory, df) -> None:
         ax.set_yscale("log")
         ticks_at(ax.xaxis, df["block"], "{:g}")
         plain_log_ticks(ax.yaxis)
-        ax.set_xlabel("block size Br = Bc")
+        ax.set_xlabel("block size Br = Bc (tokens)")
         ax.set_ylabel(label)
 
 
@@ -391,6 +425,6 @@ def plot_ratios(ax, ratios) -> None:
 
 
 __all__ = ["MMAP_THRESHOLD_MAX", "AllocationPeak", "allocation_peak", "first_touch",
-           "less_first_touch", "interval_words", "compare_methods", "compare_at",
+           "compare_less_touch", "interval_words", "compare_methods", "compare_at",
            "records_frame", "speed_owner", "time_ratios",
            "plot_peaks", "plot_times", "plot_ratios", "plot_block_sizes"]

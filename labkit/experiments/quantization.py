@@ -1,7 +1,8 @@
 """Chapter 12's measurements of quantized models: perplexity per window with paired
 differences and their standard errors, greedy agreement with the float32 model (teacher
 forced, and where free-running decoding first parts from it), and decode speed timed in
-turns. The quantized models themselves are built by :mod:`labkit.models.quantized`."""
+turns, of the engine's own weights modes and of PyTorch's paths, request by
+request. The quantized models themselves are built by :mod:`labkit.models.quantized`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import math
 
 import torch
 
-from labkit.engine.loop import greedy_continue, greedy_decode
-from labkit.engine.backends import FastBackend
+from labkit.engine.loop import greedy_decode
 
-ENGINE_FLOAT32 = "float32 (engine)"  # the speed baseline: the engine's own float32 path
+# The engine's weights modes (EngineConfig.weights) as the speed comparison names them; the
+# baseline is the engine's float32 path
+ENGINE_MODES = {"f32": "engine float32", "bf16": "engine bf16",
+                "gguf": "engine Q4_1 blocks, float32 act.",
+                "gguf-int8": "engine Q4_1 blocks, int8 act."}
+ENGINE_FLOAT32 = ENGINE_MODES["f32"]
 
 
 def window_scores(model, ids: list[int], window: int = 512) -> list[tuple[float, int]]:
@@ -80,27 +85,76 @@ def greedy_agreement(model, prompts: list[list[int]], references: list[list[int]
             "first_divergence": [row.index(False) if False in row else len(row) for row in matches]}
 
 
-def decode_runner(model, prompt_ids: list[int], new_tokens: int):
-    """Prefill once; return a function that runs `new_tokens` greedy decode steps from the
-    end of the prompt each time it is called (the same steps every call), for timing."""
-    cache = model.new_cache(1, len(prompt_ids) + new_tokens + 1)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids]), cache=cache, last_only=True)[:, -1]
-
+def request_runner(model, prompt_ids: list[int], new_tokens: int):
+    """A function that runs one whole greedy request on `model` each time it is called: the
+    prompt prefilled into a fresh cache, then `new_tokens` tokens (the same every call). The
+    PyTorch-path systems of the speed comparison are timed with it, as the engine's modes
+    are timed with :func:`engine_runner`: both count a request from its prompt to its last
+    token, so their ratios compare like with like."""
     def run() -> list[int]:
-        cache.length = len(prompt_ids)
-        return greedy_continue(model, cache, logits, new_tokens + 1).token_ids[1:]
+        return greedy_tokens(model, prompt_ids, new_tokens)
 
     return run
 
 
-def float32_paths(model) -> dict:
-    """The float32 systems a speed comparison times, the baseline first.
+def engine_runner(model, weights: str, prompt_ids: list[int], new_tokens: int):
+    """A function that runs one greedy request of `new_tokens` tokens after `prompt_ids`
+    through the serving engine in weights mode `weights` (`EngineConfig.weights`: "f32",
+    "bf16", "gguf", "gguf-int8"), as `LLM` runs it: the mode's matrices, the paged KV pool and
+    labkit's C attention, one C call a layer where the mode has one. Prefix caching is off, so
+    every call prefills the whole prompt again and runs the same steps. A mode that cannot run
+    here raises ValueError (`prepare_weights` never substitutes float32 for a named mode)."""
+    from labkit.engine.llm_engine import EngineConfig, LLMEngine
+    from labkit.sampling import SamplingParams
 
-    The baseline is the engine's own float32 path (`FastBackend().prepare`, i.e.
-    `labkit.kernels.packed.pack_model`: one row through labkit's C matrix-vector kernel,
-    more rows through oneDNN-packed weights, as `LLM` runs with its fast kernels): a
-    quantized kernel is measured against the float32 a server would run, not against
-    PyTorch's single-row `F.linear`, the plain model, which
-    is timed beside it under the name "float32, F.linear"."""
-    return {ENGINE_FLOAT32: FastBackend().prepare(model), "float32, F.linear": model}
+    slots = len(prompt_ids) + new_tokens + 16  # one spare block
+    config = EngineConfig(kv_cache_tokens=16 * -(-slots // 16), prefix_caching=False,
+                          weights=weights)
+    engine = LLMEngine(model, config)
+    if engine.weights != weights:
+        raise ValueError(f"asked for weights {weights!r}, the engine runs {engine.weights!r}")
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    def run() -> list[int]:
+        return list(engine.generate([prompt_ids], params)[0].samples[0].token_ids)
+
+    run.engine = engine  # the engine behind the runner: its model is the mode's model
+    return run
+
+
+def per_byte(speed, bytes_ratio: float) -> str:
+    """Did a system consume its weight bytes faster or slower than its baseline? `speed` is
+    a `labkit.util.compare.Comparison` of the system against the baseline (ratio above 1:
+    the system faster), `bytes_ratio` the baseline's weight bytes a token over the system's.
+    A system that read its bytes exactly as fast would be `bytes_ratio` times as fast:
+    "slower per byte" when the whole interval lies below that, "faster per byte" when it
+    lies above, else "within the noise"."""
+    if bytes_ratio <= 0:
+        raise ValueError(f"a byte ratio must be positive, got {bytes_ratio}")
+    if speed.high < bytes_ratio:
+        return "slower per byte"
+    if speed.low > bytes_ratio:
+        return "faster per byte"
+    return "within the noise"
+
+
+def gains_differ(gain_a, gain_b) -> bool:
+    """Whether two thread gains (Comparisons of two threads against one, each for its own
+    system) differ beyond the noise: only when their intervals do not overlap."""
+    return gain_a.low > gain_b.high or gain_b.low > gain_a.high
+
+
+def changed_tokens_order(changed_a: int, changed_b: int, positions: int,
+                         alpha: float = 0.05) -> str:
+    """Whether format a changed fewer or more of the reference's greedy tokens than format
+    b, out of `positions` each: "fewer" or "more" only when Fisher's exact test (two-sided)
+    puts the difference below `alpha`, else "too few to order" (3 against 6 of 96 is not a
+    difference)."""
+    from scipy.stats import fisher_exact
+
+    if not (0 <= changed_a <= positions and 0 <= changed_b <= positions):
+        raise ValueError(f"changed tokens must lie in 0..{positions}")
+    table = [[changed_a, positions - changed_a], [changed_b, positions - changed_b]]
+    if fisher_exact(table).pvalue >= alpha:
+        return "too few to order"
+    return "fewer" if changed_a < changed_b else "more"
