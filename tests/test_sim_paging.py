@@ -203,3 +203,14 @@ def test_timed_engine_runs_interleave_and_repeat(tiny, monkeypatch):
     assert order == [32, None] * 3 and [len(v) for v in runs.values()] == [3, 3]
     with pytest.raises(ValueError):
         paging.timed_engine_runs(tiny, [[1, 2]], [2], 64, {"paged": None}, 0)
+
+
+def test_timed_summary_reads_the_repeats():
+    from labkit.sim.paging import timed_summary
+
+    runs = [{"steps": 10, "mean_running": 3.0, "preemptions": 2, "tokens_computed": 90,
+             "recomputed_tokens": 12, "wall_s": w, "recompute_s": w / 10} for w in (2.0, 1.0, 4.0)]
+    row = timed_summary("paged", runs)
+    assert (row["wall_median_s"], row["wall_fastest_s"], row["wall_slowest_s"]) == (2.0, 1.0, 4.0)
+    assert row["step_mean_ms"] == pytest.approx(200.0) and row["recompute_median_s"] == pytest.approx(0.2)
+    assert row["recomputed_tokens"] == 12 and row["allocator"] == "paged"

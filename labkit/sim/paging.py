@@ -441,3 +441,18 @@ def timed_engine_runs(model, prompts: list[list[int]], outputs: list[int], budge
             runs[name].append(engine_concurrency(model, prompts, outputs, budget, reserve, block_size,
                                                  logprobs))
     return runs
+
+
+def timed_summary(name: str, runs: list[dict]) -> dict:
+    """One table row for the repeats of one allocator from `timed_engine_runs`: the steps and
+    tokens of its first run (every repeat runs the same steps), and the wall time over the
+    repeats (median, fastest, slowest), the mean step and the time attributed to recomputed
+    tokens (medians)."""
+    first, walls = runs[0], [run["wall_s"] for run in runs]
+    return {"allocator": name, "steps": first["steps"], "running_while_queued": first["mean_running"],
+            "preemptions": first["preemptions"], "tokens_computed": first["tokens_computed"],
+            "recomputed_tokens": first["recomputed_tokens"],
+            "wall_median_s": statistics.median(walls), "wall_fastest_s": min(walls),
+            "wall_slowest_s": max(walls),
+            "step_mean_ms": statistics.median(1e3 * run["wall_s"] / run["steps"] for run in runs),
+            "recompute_median_s": statistics.median(run["recompute_s"] for run in runs)}
