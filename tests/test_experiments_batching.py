@@ -210,3 +210,52 @@ def test_waited_phrase_claims_a_direction_only_when_every_run_agrees():
     assert b.waited_phrase(b.spread([0.9, 1.3, 1.1])).startswith(
         "no different beyond the run-to-run spread")
     assert "one run" in b.waited_phrase(b.spread([3.0]))
+
+
+def test_a_system_named_in_only_at_runs_only_at_its_loads_beside_the_others():
+    seen = []
+
+    def runner(model, work, config, name):
+        seen.append((name, tuple(work.arrivals)))
+        return name
+
+    points = b.load_sweep(None, Workload([[1], [2], [3]], [2, 2, 2]), 2.0, [0.5, 1.0],
+                          {"a": None, "b": None, "c": None}, seed=7, runner=runner, repeats=2,
+                          only_at={"c": [1.0]})
+    assert [(p.repeat, p.load, p.system) for p in points] == [
+        (0, 0.5, "a"), (0, 0.5, "b"), (0, 1.0, "a"), (0, 1.0, "b"), (0, 1.0, "c"),
+        (1, 0.5, "a"), (1, 0.5, "b"), (1, 1.0, "a"), (1, 1.0, "b"), (1, 1.0, "c")]
+    assert seen[2][1] == seen[4][1]  # c meets the arrivals a and b met at that load
+    with pytest.raises(ValueError):
+        b.load_sweep(None, Workload([[1]], [2]), 1.0, [1.0], {"a": None}, only_at={"z": [1.0]})
+
+
+def test_capacities_interleave_every_system_with_all_requests_queued():
+    seen = []
+
+    def runner(model, work, config, name):
+        seen.append((name, work.arrivals))
+        return name
+
+    runs = b.capacities(None, Workload([[1], [2]], [2, 2], [0.0, 5.0]), {"a": 1, "b": 2}, 3,
+                        runner=runner)
+    assert [n for n, _ in seen] == ["a", "b"] * 3
+    assert all(not arrivals for _, arrivals in seen)  # queued at once: no arrival times
+    assert runs == {"a": ["a"] * 3, "b": ["b"] * 3}
+    with pytest.raises(ValueError):
+        b.capacities(None, Workload([[1]], [2]), {"a": 1}, 0, runner=runner)
+
+
+def test_runs_comparison_takes_one_value_per_run_and_keeps_the_direction():
+    rows = [{"load": 1.0, "repeat": r, "system": s, "ttft": t}
+            for r, (slow, fast) in enumerate([(2.0, 1.0), (2.2, 1.1), (1.9, 0.9), (2.1, 1.0)])
+            for s, t in (("static", slow), ("continuous", fast))]
+    rows.append({"load": 0.5, "repeat": 0, "system": "static", "ttft": 100.0})  # another load
+    got = b.runs_comparison(rows, "ttft", "continuous", "static", 1.0)
+    assert got.samples_a == got.samples_b == 4
+    assert got.ratio == pytest.approx(2.05 / 1.0) and got.verdict == "faster"
+    assert b.lower_or_higher(got).startswith("lower")
+    assert b.runs_comparison(rows, "ttft", "static", "continuous", 1.0).verdict == "slower"
+    mixed = [dict(row, ttft=1.0 + 0.1 * (row["repeat"] % 2) * (row["system"] == "static"))
+             for row in rows if row["load"] == 1.0]
+    assert b.runs_comparison(mixed, "ttft", "continuous", "static", 1.0).verdict == "within the noise"

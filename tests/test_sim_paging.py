@@ -63,6 +63,10 @@ def test_preemption_recomputes_and_still_finishes():
     reqs = [Request(8, 60) for _ in range(20)]
     r = simulate(reqs, budget=256, allocator="paged", block_size=16)
     assert r.finished == 20 and r.preemptions > 0 and r.recomputed_tokens > 0
+    # the recomputation is work: counted on top of every prompt and output token
+    assert r.tokens_computed == 20 * (8 + 60) + r.recomputed_tokens
+    c = simulate(reqs, budget=2048, allocator="contiguous", reserve=68)
+    assert c.preemptions == 0 and c.tokens_computed == 20 * (8 + 60)
 
 
 def test_seeded_reproducibility():
@@ -153,3 +157,60 @@ def test_engine_concurrency_reserved_vs_paged(tiny):
     assert reserved["max_running"] == 2
     assert paged["mean_running"] > reserved["mean_running"]
     assert paged["tokens"] == reserved["tokens"]
+
+
+def test_engine_runs_count_recomputed_tokens_as_work(tiny):
+    """The recomputation counted sequence by sequence equals what the paged run computed
+    beyond the reserved one (which never preempts): an independent total."""
+    from labkit.sim.paging import engine_concurrency
+
+    prompts = [list(range(1 + i, 9 + i)) for i in range(10)]
+    outputs = [8] * 10
+    reserved = engine_concurrency(tiny, prompts, outputs, budget=128, reserve=64, block_size=8)
+    paged = engine_concurrency(tiny, prompts, outputs, budget=128, reserve=None, block_size=8)
+    assert reserved["preemptions"] == 0 and reserved["recomputed_tokens"] == 0
+    assert paged["preemptions"] > 0
+    assert paged["recomputed_tokens"] == paged["tokens_computed"] - reserved["tokens_computed"] > 0
+    assert sum(paged["step_tokens"]) == paged["tokens_computed"]
+    assert 0 < paged["recompute_s"] < sum(paged["step_s"]) <= paged["wall_s"]
+    assert reserved["recompute_s"] == 0
+
+
+def test_recompute_time_is_each_steps_token_share(tiny):
+    """With a clock that advances one unit a call, every step lasts 1, so the attributed
+    time is the sum over steps of recomputed tokens / tokens of the step."""
+    import itertools
+
+    from labkit.sim.paging import engine_concurrency
+
+    ticks = itertools.count()
+    prompts = [list(range(1 + i, 9 + i)) for i in range(10)]
+    run = engine_concurrency(tiny, prompts, [8] * 10, budget=128, reserve=None, block_size=8,
+                             clock=lambda: float(next(ticks)))
+    assert run["step_s"] == [1.0] * run["steps"]
+    assert run["wall_s"] == 2 * run["steps"] + 1  # a start, two reads a step, an end
+    share = sum(r / n for r, n in zip(run["recomputed_per_step"], run["step_tokens"]))
+    assert run["recompute_s"] == pytest.approx(share) and share > 0
+
+
+def test_timed_engine_runs_interleave_and_repeat(tiny, monkeypatch):
+    from labkit.sim import paging
+
+    order = []
+    monkeypatch.setattr(paging, "engine_concurrency",
+                        lambda model, p, o, budget, reserve, block, logprobs: order.append(reserve) or {})
+    runs = paging.timed_engine_runs(tiny, [[1, 2]], [2], 64, {"reserved": 32, "paged": None}, 3)
+    assert order == [32, None] * 3 and [len(v) for v in runs.values()] == [3, 3]
+    with pytest.raises(ValueError):
+        paging.timed_engine_runs(tiny, [[1, 2]], [2], 64, {"paged": None}, 0)
+
+
+def test_timed_summary_reads_the_repeats():
+    from labkit.sim.paging import timed_summary
+
+    runs = [{"steps": 10, "mean_running": 3.0, "preemptions": 2, "tokens_computed": 90,
+             "recomputed_tokens": 12, "wall_s": w, "recompute_s": w / 10} for w in (2.0, 1.0, 4.0)]
+    row = timed_summary("paged", runs)
+    assert (row["wall_median_s"], row["wall_fastest_s"], row["wall_slowest_s"]) == (2.0, 1.0, 4.0)
+    assert row["step_mean_ms"] == pytest.approx(200.0) and row["recompute_median_s"] == pytest.approx(0.2)
+    assert row["recomputed_tokens"] == 12 and row["allocator"] == "paged"

@@ -303,6 +303,21 @@ def capacity(model, workload: Workload, config, system: str = "capacity") -> tup
     return len(workload) / run.wall_s, run
 
 
+def capacities(model, workload: Workload, systems: dict, repeats: int,
+               runner: Callable = run_engine) -> dict[str, list[RunResult]]:
+    """Every system (name -> EngineConfig) run `repeats` times with all of `workload` queued
+    at once, interleaved (A B C A B C ...) so that a slow spell of the machine falls on
+    every system: name -> its runs in order. A run's requests per second is its capacity."""
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    queued = Workload(workload.prompts, workload.max_tokens)
+    runs: dict[str, list[RunResult]] = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, config in systems.items():
+            runs[name].append(runner(model, queued, config, name))
+    return runs
+
+
 @dataclass
 class SweepPoint:
     load: float          # offered load as a fraction of capacity
@@ -313,9 +328,12 @@ class SweepPoint:
 
 
 def load_sweep(model, workload: Workload, capacity_rps: float, loads: Sequence[float], systems: dict,
-               seed: int = 0, runner: Callable = run_engine, repeats: int = 1) -> list[SweepPoint]:
+               seed: int = 0, runner: Callable = run_engine, repeats: int = 1,
+               only_at: dict[str, Sequence[float]] | None = None) -> list[SweepPoint]:
     """Run every system (name -> EngineConfig) at every offered load (fraction of
-    `capacity_rps`), on the same prompts, `repeats` times. Within a repeat all loads share
+    `capacity_rps`), on the same prompts, `repeats` times; a system named in `only_at` runs
+    only at the loads listed there (still beside the others, on the same arrivals). Within
+    a repeat all loads share
     one seed, so their Poisson arrival times are the same pattern compressed or stretched in
     time, and every system meets the same arrivals; repeat r draws its pattern from
     `seed + r`, so the spread over repeats holds both the machine's noise and the luck of
@@ -323,12 +341,18 @@ def load_sweep(model, workload: Workload, capacity_rps: float, loads: Sequence[f
     of the machine falls on one repeat rather than on one load."""
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
+    only_at = only_at or {}
+    unknown = set(only_at) - set(systems)
+    if unknown:
+        raise ValueError(f"only_at names systems not in the sweep: {sorted(unknown)}")
     points = []
     for repeat in range(repeats):
         for load in loads:
             rate = load * capacity_rps
             work = with_arrivals(workload, rate, seed + repeat)
             for name, config in systems.items():
+                if name in only_at and load not in only_at[name]:
+                    continue
                 points.append(SweepPoint(load, rate, name, runner(model, work, config, name), repeat))
     return points
 
@@ -368,6 +392,19 @@ def ratio_spread(rows: Sequence[dict], column: str, numerator: str, denominator:
     ratios = [run[numerator] / run[denominator] for run in by_run.values()
               if numerator in run and denominator in run]
     return spread(ratios)
+
+
+def runs_comparison(rows: Sequence[dict], column: str, ours: str, theirs: str,
+                    load: float) -> Comparison:
+    """`column` of system `ours` against system `theirs` at one load, one value per run of the
+    sweep (`summarize` rows with `load`, `repeat` and `system`): `compare`'s bootstrap
+    interval of median(theirs) / median(ours) over the runs, so its verdict says whether the
+    runs separate the two systems (for a time, "faster": `ours` took less)."""
+    def values(system: str) -> list[float]:
+        return [row[column] for row in sorted(rows, key=lambda row: row.get("repeat", 0))
+                if row["load"] == load and row["system"] == system]
+
+    return compare(values(ours), values(theirs), name_a=ours, name_b=theirs)
 
 
 def waited_phrase(ratio: RunSpread) -> str:

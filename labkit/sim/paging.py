@@ -72,6 +72,7 @@ class SimResult:
     finished: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0  # tokens prefilled again after a preemption
+    tokens_computed: int = 0    # work: every prompt and output token, plus the recomputed ones
     running: list[int] = field(default_factory=list)   # per step: sequences that grew
     waiting: list[int] = field(default_factory=list)   # per step: requests left in the queue
     stored: list[int] = field(default_factory=list)    # per step: tokens in the cache
@@ -123,7 +124,8 @@ class SimResult:
                 "utilisation": self.utilisation, "fragmentation": self.fragmentation,
                 "waste_per_sequence": self.waste_per_sequence,
                 "entries_per_sequence": self.entries_per_sequence,
-                "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens}
+                "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+                "tokens_computed": self.tokens_computed}
 
 
 def simulate(requests: list[Request], budget: int = 32_768, allocator: str = "paged",
@@ -210,6 +212,7 @@ def simulate(requests: list[Request], budget: int = 32_768, allocator: str = "pa
             else:
                 still.append(seq)
         running = still
+    result.tokens_computed = sum(r.prompt + r.output for r in requests) + result.recomputed_tokens
     return result
 
 
@@ -353,29 +356,60 @@ def scaled_chat_requests(count: int, reserve: int, seed: int = 0) -> list[Reques
 
 
 def engine_concurrency(model, prompts: list[list[int]], outputs: list[int], budget: int,
-                       reserve: int | None, block_size: int = 16, logprobs: int | None = None) -> dict:
+                       reserve: int | None, block_size: int = 16, logprobs: int | None = None,
+                       clock=None) -> dict:
     """Run all `prompts` (queued at once, greedy, exactly `outputs[i]` tokens each) through
     an `LLMEngine` with a KV pool of `budget` token slots, reserving `reserve` slots per
     sequence at admission (contiguous style) or none (paged, grow on demand). Records the
     running and waiting sequences and the blocks used after every step. With `logprobs`,
-    `scores` holds each request's per-token `top_logprobs` (for the near-tie rule)."""
+    `scores` holds each request's per-token `top_logprobs` (for the near-tie rule).
+
+    Also the time: `step_s` (each step's wall time from `clock`, `time.perf_counter` by
+    default) and `wall_s` (the whole loop). And the work preemption adds: a preempted
+    sequence loses the keys and values of every token it had computed and computes them
+    again when it comes back. `recomputed_tokens` counts them directly (the computed tokens
+    each sequence held just before the step that preempted it), `recomputed_per_step` where
+    they were computed again, and `recompute_s` the share of each step's time that its
+    recomputed tokens were of its tokens, summed: an attribution by token count (every token
+    of a step goes through the same weight products), not a separate measurement."""
+    import time
+
     from labkit.engine.llm_engine import EngineConfig, LLMEngine
     from labkit.engine.scheduler import SchedulerConfig
     from labkit.sampling import SamplingParams
 
+    clock = clock or time.perf_counter
     sched = SchedulerConfig(max_num_seqs=256, max_batched_tokens=512, reserve_tokens=reserve)
     engine = LLMEngine(model, EngineConfig(block_size=block_size, kv_cache_tokens=budget,
                                            prefix_caching=False, scheduler=sched))
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True,
                                                 logprobs=logprobs))
            for p, o in zip(prompts, outputs)]
-    running, waiting, used = [], [], []
+    seqs = [engine.requests[i].seqs[0] for i in ids]
+    owed = [0] * len(seqs)  # tokens a preempted sequence has still to compute again
+    running, waiting, used, step_s, step_tokens, recomputed = [], [], [], [], [], []
+    start = clock()
     while engine.has_unfinished():
+        before = [(s.num_computed_tokens, s.preemptions) for s in seqs]
+        computed_before = engine.tokens_computed
+        t0 = clock()
         engine.step()
+        step_s.append(clock() - t0)
+        step_tokens.append(engine.tokens_computed - computed_before)
+        again = 0
+        for k, (seq, (done, preempted)) in enumerate(zip(seqs, before)):
+            if seq.preemptions > preempted:
+                owed[k] += done  # lost: computed again when it is admitted again
+            elif owed[k] and seq.num_computed_tokens > done:
+                paid = min(owed[k], seq.num_computed_tokens - done)
+                owed[k] -= paid
+                again += paid
+        recomputed.append(again)
         stats = engine.stats()
         running.append(stats.running)
         waiting.append(stats.waiting)
         used.append(stats.blocks_used)
+    wall = clock() - start
     engine.check_invariants()
     stats = engine.stats()
     released = [engine.release(i) for i in ids]
@@ -385,5 +419,40 @@ def engine_concurrency(model, prompts: list[list[int]], outputs: list[int], budg
     return {"reserve": reserve, "budget": budget, "block_size": block_size, "steps": stats.steps,
             "running": running, "waiting": waiting, "blocks_used": used,
             "mean_running": statistics.fmean(queued), "max_running": max(running),
-            "preemptions": stats.preemptions, "tokens_computed": stats.tokens_computed, "tokens": tokens,
-            "scores": scores}
+            "preemptions": stats.preemptions, "tokens_computed": stats.tokens_computed,
+            "recomputed_tokens": sum(recomputed), "recomputed_per_step": recomputed,
+            "wall_s": wall, "step_s": step_s, "step_tokens": step_tokens,
+            "recompute_s": sum(t * r / n for t, r, n in zip(step_s, recomputed, step_tokens) if n),
+            "tokens": tokens, "scores": scores}
+
+
+def timed_engine_runs(model, prompts: list[list[int]], outputs: list[int], budget: int,
+                      reserves: dict, repeats: int, block_size: int = 16,
+                      logprobs: int | None = None) -> dict[str, list[dict]]:
+    """`engine_concurrency` for each named reservation (name -> `reserve`, None for paged)
+    `repeats` times, interleaved (A B A B ...) so that a slow spell of the machine falls on
+    both: name -> one result per repeat, in order. Every run asks for the same `logprobs`,
+    so that every run does the same work."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    runs: dict[str, list[dict]] = {name: [] for name in reserves}
+    for _ in range(repeats):
+        for name, reserve in reserves.items():
+            runs[name].append(engine_concurrency(model, prompts, outputs, budget, reserve, block_size,
+                                                 logprobs))
+    return runs
+
+
+def timed_summary(name: str, runs: list[dict]) -> dict:
+    """One table row for the repeats of one allocator from `timed_engine_runs`: the steps and
+    tokens of its first run (every repeat runs the same steps), and the wall time over the
+    repeats (median, fastest, slowest), the mean step and the time attributed to recomputed
+    tokens (medians)."""
+    first, walls = runs[0], [run["wall_s"] for run in runs]
+    return {"allocator": name, "steps": first["steps"], "running_while_queued": first["mean_running"],
+            "preemptions": first["preemptions"], "tokens_computed": first["tokens_computed"],
+            "recomputed_tokens": first["recomputed_tokens"],
+            "wall_median_s": statistics.median(walls), "wall_fastest_s": min(walls),
+            "wall_slowest_s": max(walls),
+            "step_mean_ms": statistics.median(1e3 * run["wall_s"] / run["steps"] for run in runs),
+            "recompute_median_s": statistics.median(run["recompute_s"] for run in runs)}
