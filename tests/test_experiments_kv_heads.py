@@ -23,6 +23,7 @@ from labkit.experiments.kv_heads import (
     mla_naive,
     pool_kv_heads,
     read_once_bytes_moved,
+    repeat_buffers,
     repeat_kv_bytes_moved,
     sequences_that_fit,
 )
@@ -107,12 +108,44 @@ def test_gqa_kernels_equal_sdpa(kv_heads):
     torch.testing.assert_close(gqa_read_once(q, k, v), exact, atol=1e-12, rtol=1e-12)
 
 
-def test_gqa_runners_run_the_two_kernels():
+def test_gqa_runners_run_the_kernels():
     x = gqa_inputs(1, 8, 2, 5, 4, seed=3)
     runners = gqa_runners(x)
-    assert list(runners) == ["repeat", "read once"]
-    torch.testing.assert_close(runners["repeat"](), gqa_repeat_kv(x.q, x.k, x.v), atol=0, rtol=0)
-    torch.testing.assert_close(runners["read once"](), gqa_read_once(x.q, x.k, x.v), atol=0, rtol=0)
+    assert list(runners) == ["repeat, fresh memory", "repeat, reused memory", "read once"]
+    expected = gqa_read_once(x.q, x.k, x.v)
+    for run in runners.values():
+        torch.testing.assert_close(run(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_repeat_into_reused_buffers_writes_the_copy_there():
+    x = gqa_inputs(2, 9, 3, 11, 8, seed=4)
+    keys, values = repeat_buffers(x)
+    assert keys.shape == values.shape == (2, 9, 11, 8)
+    expected = F.scaled_dot_product_attention(x.q[:, :, None], x.k, x.v, enable_gqa=True)[:, :, 0]
+    for _ in range(2):  # the second step writes over the first step's copy
+        out = gqa_repeat_kv(x.q, x.k, x.v, (keys, values))
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # the buffers hold what repeat_kv would have returned: query head h's copy of KV head h // 3
+    torch.testing.assert_close(keys, x.k.repeat_interleave(3, dim=1), atol=0, rtol=0)
+    torch.testing.assert_close(values, x.v.repeat_interleave(3, dim=1), atol=0, rtol=0)
+
+
+def test_repeat_copies_nothing_with_one_kv_head_per_query_head(monkeypatch):
+    # transformers' repeat_kv returns its input at n_rep == 1; so does ours, and no buffer is made
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    x = gqa_inputs(1, 4, 4, 6, 8, seed=5)
+    assert repeat_kv(x.k, 1) is x.k and repeat_buffers(x) is None
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(k)
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    gqa_repeat_kv(x.q, x.k, x.v)
+    assert seen[0] is x.k  # the cached keys themselves reach attention, not a copy
 
 
 def test_gqa_inputs_need_a_divisor():
@@ -131,9 +164,9 @@ def test_bytes_moved():
     assert (once.cache_read, once.copy_written, once.copy_read, once.total) == (cache, 0, 0, cache + small)
     assert repeat.cache_read == cache and repeat.copy_written == repeat.copy_read == 3 * cache
     assert repeat.total == 7 * cache + small  # 1 + 2 x group times the cache
-    # with as many KV heads as query heads, the "copy" is still written and read
+    # with as many KV heads as query heads nothing is copied: the step reads the cache only
     mha_once, mha_repeat = read_once_bytes_moved(1, 9, 9, 10, 64), repeat_kv_bytes_moved(1, 9, 9, 10, 64)
-    assert mha_repeat.copy_written == mha_repeat.copy_read == mha_once.cache_read
+    assert mha_repeat.copy_written == mha_repeat.copy_read == 0 and mha_repeat == mha_once
     # a copy really is made: the repeated tensor's storage is the group times the cache
     x = gqa_inputs(1, 9, 3, 16, 8)
     assert x.k.repeat_interleave(3, dim=1).untyped_storage().nbytes() == 3 * x.k.untyped_storage().nbytes()

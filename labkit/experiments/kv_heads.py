@@ -16,7 +16,9 @@ number of KV heads, and each way of cutting it is a choice about those heads:
   heads. Reading each KV head once for all the query heads that share it moves only the
   cache itself. :func:`repeat_kv_bytes_moved` and :func:`read_once_bytes_moved` count the
   bytes; :func:`gqa_inputs` builds inputs for a timing sweep over KV head counts and
-  :func:`gqa_runners` the two calls to time on them.
+  :func:`gqa_runners` the calls to time on them: the copy into fresh memory at every step
+  (what a CPU allocator gives a tensor this large) and into buffers kept between steps
+  (:func:`repeat_buffers`, what a caching allocator gives), and the read-once step.
 * :func:`pool_kv_heads`: turn a trained model's KV heads into fewer by averaging the key and
   value projections of the heads that merge (the GQA paper's "uptraining" starting point,
   without the uptraining). The cache shrinks; the chapter measures what the logits lose.
@@ -160,19 +162,42 @@ def gqa_inputs(batch: int, q_heads: int, kv_heads: int, context: int, head_dim: 
                      v=normal(batch, kv_heads, context, head_dim))
 
 
-def gqa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def gqa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Grouped-query decode by copying: each KV head is repeated ``group`` times, so query
     head h meets KV head h // group, then ordinary multi-head attention runs.
 
-    q [B, H, D], k, v [B, KV, S, D] -> [B, H, D]. The copy [B, H, S, D] is written and read
-    once more: this is transformers' ``repeat_kv`` before its eager attention call, except
-    at ``group == 1``, where ``repeat_kv`` returns its input and this still copies (the
-    chapter's sweep keeps that point as the end of its range and says so).
+    q [B, H, D], k, v [B, KV, S, D] -> [B, H, D]. This is transformers' ``repeat_kv``
+    before its eager attention call: the copy [B, H, S, D] is written and read once more,
+    and at ``group == 1`` nothing is copied (``repeat_kv`` returns its input). Without
+    ``buffers`` every step's copy is a new tensor, fresh memory from the allocator (glibc
+    maps a block this large anew and the kernel zeroes each page on first write); with
+    ``buffers`` (keys, values) from :func:`repeat_buffers`, kept between steps, the copy
+    is written into memory the process already holds, as a caching allocator gives it.
     """
     group = q.shape[1] // k.shape[1]
-    keys = k.repeat_interleave(group, dim=1)  # [B, H, S, D], a real copy
-    values = v.repeat_interleave(group, dim=1)
+    if group == 1:
+        keys, values = k, v
+    elif buffers is None:
+        keys = k.repeat_interleave(group, dim=1)  # [B, H, S, D], a real copy
+        values = v.repeat_interleave(group, dim=1)
+    else:
+        keys, values = buffers
+        batch, kv_heads, context, dim = k.shape
+        grouped = (batch, kv_heads, group, context, dim)  # head h -> (h // group, h % group)
+        keys.view(grouped).copy_(k[:, :, None].expand(grouped))
+        values.view(grouped).copy_(v[:, :, None].expand(grouped))
     return F.scaled_dot_product_attention(q[:, :, None], keys, values)[:, :, 0]
+
+
+def repeat_buffers(x: "GQAInputs") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Two [B, H, S, D] tensors for :func:`gqa_repeat_kv`'s copy, written once so their
+    pages are already faulted in (None where the group is 1 and nothing is copied)."""
+    if x.group == 1:
+        return None
+    shape = (x.q.shape[0], x.q.shape[1], *x.k.shape[2:])
+    return tuple(torch.empty(shape, dtype=x.k.dtype, device=x.k.device).fill_(0.0)
+                 for _ in range(2))
 
 
 def gqa_read_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -189,10 +214,13 @@ def gqa_read_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 
 
 def gqa_runners(x: GQAInputs) -> dict:
-    """The two kernels as calls without arguments on the inputs ``x``, named as the
-    chapter names them: {"repeat": ..., "read once": ...} (for
-    :func:`labkit.util.timing.measure_interleaved`)."""
-    return {"repeat": lambda: gqa_repeat_kv(x.q, x.k, x.v),
+    """The kernels as calls without arguments on the inputs ``x``, named as the chapter
+    names them (for :func:`labkit.util.timing.measure_interleaved`): the copying step
+    with its copy in fresh memory at every call and in buffers kept between calls, and
+    the read-once step."""
+    buffers = repeat_buffers(x)
+    return {"repeat, fresh memory": lambda: gqa_repeat_kv(x.q, x.k, x.v),
+            "repeat, reused memory": lambda: gqa_repeat_kv(x.q, x.k, x.v, buffers),
             "read once": lambda: gqa_read_once(x.q, x.k, x.v)}
 
 
@@ -223,10 +251,11 @@ def _check_group(q_heads: int, kv_heads: int) -> None:
 def repeat_kv_bytes_moved(batch: int, q_heads: int, kv_heads: int, context: int,
                           head_dim: int, dtype_bytes: int = 4) -> BytesMoved:
     """Bytes :func:`gqa_repeat_kv` moves: the cache read once, the [B, H, S, D] copy of k
-    and v written and read again. At least ``1 + 2 x group`` times the cache."""
+    and v written and read again, ``1 + 2 x group`` times the cache; with one KV head per
+    query head nothing is copied, so only the cache is read."""
     _check_group(q_heads, kv_heads)
     cache = 2 * batch * kv_heads * context * head_dim * dtype_bytes
-    copy = 2 * batch * q_heads * context * head_dim * dtype_bytes
+    copy = 0 if kv_heads == q_heads else 2 * batch * q_heads * context * head_dim * dtype_bytes
     return BytesMoved(cache, copy, copy, 2 * batch * q_heads * head_dim * dtype_bytes)
 
 
