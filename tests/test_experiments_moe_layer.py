@@ -1,4 +1,4 @@
-"""labkit.experiments.moe_layer: the four MoE implementations agree with each other and with
+"""labkit.experiments.moe_layer: the five MoE implementations agree with each other and with
 transformers' Mixtral block; the bytes-read count and its closed form; capacity drops."""
 
 import itertools

@@ -142,3 +142,24 @@ def test_ci_never_trains_the_real_models(tmp_path, monkeypatch):
     assert all(t.model.cfg.steps == 1 for t in models.values())
     assert all(o.startswith("toy") for o in origin.values())
     assert not (tmp_path / "absent").exists()
+
+
+def test_window_bits_pair_the_windows_and_average_to_evaluate(tmp_path):
+    torch.manual_seed(0)
+    model = mt.TinyMoELM(mt.Config(**TINY)).eval()
+    g = torch.Generator().manual_seed(2)
+    windows = torch.randint(0, 256, (5, TINY["context"] + 1), generator=g)
+    bits = mt.window_bits(model, windows, batch=2)
+    assert len(bits) == 5
+    assert sum(bits) / 5 == pytest.approx(mt.evaluate(model, windows).bits_per_char, rel=1e-5)
+    # each window's score is its own: scoring one window alone gives the same number
+    assert bits[3] == pytest.approx(mt.evaluate(model, windows[3:4]).bits_per_char, rel=1e-5)
+
+
+def test_share_difference_needs_more_than_the_binomial_noise():
+    # 0.400 vs 0.401 of 20,000 assignments each: SE about 0.0049, so noise
+    assert mt.share_difference(0.400, 20_000, 0.401, 20_000) == "within the noise"
+    assert mt.share_difference(0.40, 20_000, 0.42, 20_000) == "lower"
+    assert mt.share_difference(0.42, 20_000, 0.40, 20_000) == "higher"
+    # the same gap on few assignments is noise
+    assert mt.share_difference(0.40, 100, 0.42, 100) == "within the noise"

@@ -190,3 +190,17 @@ def test_a_runtime_that_needs_the_c_kernels_says_so_where_they_are_off(monkeypat
     monkeypatch.setattr(native, "why_unavailable", lambda: "switched off")
     bf16 = next(c for c in rc.choices() if c.name == "bfloat16")
     assert "switched off" in rc.unavailable(bf16) and rc.unavailable(plain) is None
+
+
+def test_a_chunk_that_holds_the_prompt_repeats_the_baseline_bit_for_bit(tiny, prompts, baseline):
+    # chapter 24 counts such runs apart: identical by construction, they test nothing
+    choice = next(c for c in rc.choices() if c.name == "chunked prefill, 16")
+    runs = choice.run(tiny, prompts, NEW)
+    repeats = [choice.repeats_baseline(len(p)) for p in prompts]
+    assert repeats == [True, False, True, False, False]  # prompts of 5, 23, 1, 40, 17 tokens
+    for base, run, same in zip(baseline, runs, repeats):
+        if same:
+            assert base.tokens == run.tokens and base.top == run.top
+    # the prompts it cuts run another computation: their scores differ in some bit
+    assert any(b.top != r.top for b, r, same in zip(baseline, runs, repeats) if not same)
+    assert not any(c.repeats_baseline(1) for c in rc.choices() if c.prefill_chunk is None)

@@ -14,7 +14,7 @@ Routing is Mixtral's (:func:`route`, matching ``transformers``' ``MixtralTopKRou
 softmax over the ``E`` logits in float32, top ``k`` of the probabilities, then the ``k``
 weights renormalised to sum to 1.
 
-Four ways to run the experts on tokens ``x [T, d]``, all returning ``[T, d]`` and all equal
+Five ways to run the experts on tokens ``x [T, d]``, all returning ``[T, d]`` and all equal
 up to rounding::
 
     from labkit.experiments.moe_layer import random_moe, route, IMPLEMENTATIONS
@@ -33,7 +33,13 @@ up to rounding::
   rows are computed and thrown away (:func:`padding_fraction` says how much work that is);
 - :func:`grouped`: the assignments sorted by expert into one contiguous buffer and a grouped
   GEMM over its segments (``torch._grouped_mm`` where this torch has it, else a loop over
-  the segments that reads each expert's weights once).
+  the segments that reads each expert's weights once);
+- :func:`dense_masked`: every expert on every token, the outputs summed with a ``[T, E]``
+  gate matrix that is zero for the experts a token did not choose (the layer as one dense
+  computation: ``E / k`` times the FLOPs of the active width, every expert read at any T).
+
+What the time is made of past one token (the cost of one expert on a few rows, summed
+over the batch's union) is measured by :mod:`labkit.experiments.moe_costs`.
 
 A capacity limit (:func:`capacity_forward`) is what training-time MoE systems (GShard,
 Switch) used to give every expert a fixed-size buffer: an expert takes at most
@@ -212,7 +218,7 @@ def expert_load(routing: Routing, experts: int) -> torch.Tensor:
     return torch.bincount(routing.experts.reshape(-1), minlength=experts)
 
 
-# --- the expert computation, four ways ----------------------------------------------------
+# --- the expert computation, five ways ----------------------------------------------------
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert (or any SwiGLU MLP) on rows ``x [n, d]``: ``w1``/``w3`` are ``[f, d]``,
@@ -327,11 +333,27 @@ def grouped(x: torch.Tensor, weights: MoEWeights, routing: Routing | None = None
     return combine(x, pairs, y)
 
 
+def dense_masked(x: torch.Tensor, weights: MoEWeights, routing: Routing | None = None) -> torch.Tensor:
+    """Every expert on every token (three batched products over ``[E, T, d]``), then each
+    token's ``E`` outputs summed with its gate row: its routing weights at the experts it
+    chose, zero elsewhere. The zeros are the mask: nothing is gathered or scattered, and
+    every expert's weights are read and multiplied whatever the routing."""
+    routing = route(x, weights) if routing is None else routing
+    gate = torch.zeros(x.shape[0], weights.experts, dtype=routing.weights.dtype)
+    gate.scatter_(1, routing.experts, routing.weights)
+    every = x.expand(weights.experts, *x.shape)
+    h = F.silu(torch.bmm(every, weights.w1.transpose(1, 2))) * torch.bmm(every, weights.w3.transpose(1, 2))
+    y = torch.bmm(h, weights.w2.transpose(1, 2))  # [E, T, d]
+    # the gate multiply in float32, as combine() and transformers do
+    return torch.einsum("te,etd->td", gate, y.to(gate.dtype)).to(x.dtype)
+
+
 IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "dense loop": dense_loop,
     "gather by expert": gather_by_expert,
     "padded batched (bmm)": padded_batched,
     "grouped GEMM": grouped,
+    "dense masked": dense_masked,
 }
 
 
@@ -511,10 +533,8 @@ def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidde
     from labkit.util.timing import measure_interleaved
 
     limits = max_tokens or {}
-    g = torch.Generator().manual_seed(seed)
     records = []
-    for tokens in batch_sizes:
-        x = torch.randn(tokens, hidden, generator=g)
+    for tokens, x in sweep_tokens(hidden, batch_sizes, seed).items():
         runners = {name: (lambda fn=fn: fn(x)) for name, fn in layers.items()
                    if tokens <= limits.get(name, tokens)}
         with torch.no_grad():
@@ -527,6 +547,13 @@ def time_layers(layers: dict[str, Callable[[torch.Tensor], torch.Tensor]], hidde
             if keep_samples:
                 records[-1]["samples_ms"] = [1e3 * s for s in t.samples]
     return records
+
+
+def sweep_tokens(hidden: int, batch_sizes: list[int], seed: int = 0) -> dict[int, torch.Tensor]:
+    """The seeded random tokens :func:`time_layers` times at each batch size, so that their
+    routing (what each expert got) can be read after the timing."""
+    g = torch.Generator().manual_seed(seed)
+    return {tokens: torch.randn(tokens, hidden, generator=g) for tokens in batch_sizes}
 
 
 @dataclass(frozen=True)

@@ -374,6 +374,21 @@ def evaluate(model: TinyMoELM, windows: torch.Tensor, capacity_factor: float | N
                       straggler=[sum(s) / len(s) for s in strag])
 
 
+@torch.no_grad()
+def window_bits(model: TinyMoELM, windows: torch.Tensor, batch: int = 16) -> list[float]:
+    """Held-out bits per character of each window of ``windows [N, T+1]``, no capacity
+    limit: the samples that pair two models scored on the same text (their mean is
+    :func:`evaluate`'s ``bits_per_char``, every window having ``T`` characters)."""
+    use_bias = model.cfg.method == "bias"
+    bits = []
+    for start in range(0, windows.shape[0], batch):
+        rows = windows[start:start + batch]
+        logits, _, _ = model(rows[:, :-1], use_bias=use_bias)
+        nll = F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none")
+        bits += (nll.mean(dim=1) / math.log(2)).tolist()
+    return bits
+
+
 def capacity_sweep(models: dict[str, TinyMoELM], windows: torch.Tensor, factors: list[float],
                    groups: list[int], batch: int = 16) -> list[dict]:
     """Every model at every (group, factor), against its own unlimited score.
@@ -441,7 +456,22 @@ def placement_records(model: TinyMoELM, measure: torch.Tensor, check: torch.Tens
     return [{"layer": i, "contiguous": busiest_share(seen[i], place_contiguous(e, workers)),
              "lpt": busiest_share(seen[i], place_lpt(fitted[i], workers)),
              "lpt_in_sample": busiest_share(fitted[i], place_lpt(fitted[i], workers)),
-             "perfect": 1 / workers} for i in range(model.cfg.layers)]
+             "perfect": 1 / workers, "assignments_fitted": sum(fitted[i]),
+             "assignments_checked": sum(seen[i])} for i in range(model.cfg.layers)]
+
+
+def share_difference(share_a: float, count_a: int, share_b: float, count_b: int,
+                     z: float = 2.0) -> str:
+    """"lower" (``share_a`` below ``share_b``), "higher", or "within the noise": a
+    difference counts only beyond ``z`` binomial standard errors of the two shares, each
+    share of ``count`` assignments. Neighbouring bytes choose alike, so the binomial error
+    understates the real noise: "within the noise" is safe, a direction may still be noise."""
+    se = math.sqrt(share_a * (1 - share_a) / count_a + share_b * (1 - share_b) / count_b)
+    if share_b - share_a > z * se:
+        return "lower"
+    if share_a - share_b > z * se:
+        return "higher"
+    return "within the noise"
 
 
 # --- checkpoints ------------------------------------------------------------------------------

@@ -418,6 +418,14 @@ class RuntimeChoice:
     run: Callable[..., list[GreedyRun]]  # (model, prompts, new_tokens) -> runs
     needs_native: bool = False  # runs labkit's C kernels (refused or replaced without them)
     logit_error: float = LOGIT_ERROR  # stated bound on its error; the near-tie tolerance is twice it
+    prefill_chunk: int | None = None  # tokens per prefill call, where that is all it changes
+
+    def repeats_baseline(self, prompt_tokens: int) -> bool:
+        """True where this runtime's computation on a prompt of `prompt_tokens` is the
+        baseline's by construction: a chunked prefill whose chunk holds the whole prompt
+        runs one call, as the baseline does, and its decode steps are the baseline's. Such a
+        run is identical whatever the chunking does, so it tests nothing."""
+        return self.prefill_chunk is not None and prompt_tokens <= self.prefill_chunk
 
 
 def unavailable(choice: RuntimeChoice) -> str | None:
@@ -440,9 +448,9 @@ def choices() -> list[RuntimeChoice]:
     one, engine = "one change", "the serving engine"
     return [
         RuntimeChoice("chunked prefill, 64", one, "the prompt prefilled 64 tokens per call",
-                      lambda m, p, n: contiguous_runtime(m, p, n, chunk=64)),
+                      lambda m, p, n: contiguous_runtime(m, p, n, chunk=64), prefill_chunk=64),
         RuntimeChoice("chunked prefill, 16", one, "the prompt prefilled 16 tokens per call",
-                      lambda m, p, n: contiguous_runtime(m, p, n, chunk=16)),
+                      lambda m, p, n: contiguous_runtime(m, p, n, chunk=16), prefill_chunk=16),
         RuntimeChoice("attention written out", one, "softmax(QK^T)V in plain tensor operations",
                       lambda m, p, n: contiguous_runtime(m, p, n, cache_type=MathAttentionCache)),
         RuntimeChoice("C attention kernel", one, "labkit's paged-attention kernel over a paged cache",
