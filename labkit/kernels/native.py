@@ -80,9 +80,11 @@ MAX_ROWS = 4
 # (`labkit.kernels.packed`). gemv reads each weight once for all its rows but does every row's
 # multiply-adds on its own, so its cost grows by a good part of a one-row product per row, while
 # the packed GEMM costs more for one row and grows slowly: the two cross after a few rows, where
-# depends on the machine (vector width, cores, caches). 2 is where they crossed on the book's
-# 2-core AVX-512 machine (chapter 17 measures the crossover: `row_cutoff.path_costs`); a machine
-# whose crossover lies elsewhere sets $LABKIT_GEMV_MAX_ROWS (0: every product to oneDNN).
+# depends on the machine (vector width, cores, caches). On the book's 2-core AVX-512 machine a
+# 3- and a 4-token pass on the C kernel cost more than a 5-token one on oneDNN, and the products
+# alone crossed at 2 to 3 rows; chapter 17 measures the crossover where it runs
+# (`labkit.experiments.gemv_rows`) and says whether this default is it. A machine whose
+# crossover lies elsewhere sets $LABKIT_GEMV_MAX_ROWS (0: every product to oneDNN).
 GEMV_MAX_ROWS = 2
 GEMV_ROWS_ENV = "LABKIT_GEMV_MAX_ROWS"
 
