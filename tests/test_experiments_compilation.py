@@ -12,7 +12,8 @@ import torch
 from conftest import TINY_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores, make_tiny_llama
 from labkit.experiments.compilation import (CompileCounter, StaticCache, break_even_steps,
                                             compile_frozen_step, compile_in_subprocess,
-                                            compile_step, first_call, first_guard, forward_step,
+                                            compile_step, failed_guards, first_call, first_guard,
+                                            forward_step,
                                             greedy_decode, no_compiler_reason,
                                             path_without_compiler, prefill, recompile_case,
                                             slice_model, step_at, trial_call)
@@ -80,6 +81,13 @@ def test_first_guard():
                "    - 0/0: cache.length == 3      # check_positions(...)  # llama.py:50\n"
                "    - User stack trace:\n")
     assert first_guard(message) == "cache.length == 3"
+    # a graph another backend built (the frozen step's, beside the default step's) is not a reason
+    both = ("Recompiling function forward_step in x.py:1\n"
+            "    triggered by the following guard failure(s):\n"
+            "    - 1/0: BACKEND_MATCH failure: torch.compile detected different backend callables.\n"
+            "    - 0/0: ___check_global_state() against {'num_threads': 2}  # torch.py:3\n")
+    assert failed_guards(both) == ["___check_global_state() against {'num_threads': 2}"]
+    assert "num_threads" in first_guard(both)
 
 
 def test_a_missing_compiler_is_a_reason_and_any_other_error_is_raised():

@@ -289,12 +289,25 @@ def recompile_reasons():
 _GUARD = re.compile(r"^-\s*\d+/\d+:\s*(.*?)(\s+#.*)?$")
 
 
-def first_guard(reason: str) -> str:
-    """The first failed guard named in one recompilation message (without its comment)."""
+def failed_guards(reason: str) -> list[str]:
+    """The failed guards named in one recompilation message (without their comments), one per
+    graph Dynamo held for the function, leaving out graphs that failed only because another
+    backend built them (BACKEND_MATCH: a second compiled step of the same function, as the
+    frozen step beside the default one, whose graphs this call could never use)."""
+    out = []
     for line in reason.splitlines():
         match = _GUARD.match(line.strip())
-        if match:
-            return match.group(1).strip()
+        if match and not match.group(1).startswith("BACKEND_MATCH"):
+            out.append(match.group(1).strip())
+    return out
+
+
+def first_guard(reason: str) -> str:
+    """The first failed guard named in one recompilation message (without its comment),
+    graphs of other backends left out (`failed_guards`)."""
+    guards = failed_guards(reason)
+    if guards:
+        return guards[0]
     return reason.strip().splitlines()[-1] if reason.strip() else ""
 
 
