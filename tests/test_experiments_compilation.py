@@ -11,10 +11,12 @@ import torch
 
 from conftest import TINY_LOGIT_ERROR, assert_greedy_near, greedy_reference_scores, make_tiny_llama
 from labkit.experiments.compilation import (CompileCounter, StaticCache, break_even_steps,
-                                            compile_in_subprocess, compile_step, first_call,
-                                            first_guard, forward_step, greedy_decode,
-                                            no_compiler_reason, path_without_compiler,
-                                            prefill, recompile_case, slice_model, step_at)
+                                            compile_frozen_step, compile_in_subprocess,
+                                            compile_step, failed_guards, first_call, first_guard,
+                                            forward_step,
+                                            greedy_decode, no_compiler_reason,
+                                            path_without_compiler, prefill, recompile_case,
+                                            slice_model, step_at, trial_call)
 
 # Inductor looks for $CXX, else g++ (torch._inductor.config.cpp.cxx): without one, a compile
 # cannot run here, which is a fact about this machine, not a failure of the code under test
@@ -79,6 +81,13 @@ def test_first_guard():
                "    - 0/0: cache.length == 3      # check_positions(...)  # llama.py:50\n"
                "    - User stack trace:\n")
     assert first_guard(message) == "cache.length == 3"
+    # a graph another backend built (the frozen step's, beside the default step's) is not a reason
+    both = ("Recompiling function forward_step in x.py:1\n"
+            "    triggered by the following guard failure(s):\n"
+            "    - 1/0: BACKEND_MATCH failure: torch.compile detected different backend callables.\n"
+            "    - 0/0: ___check_global_state() against {'num_threads': 2}  # torch.py:3\n")
+    assert failed_guards(both) == ["___check_global_state() against {'num_threads': 2}"]
+    assert "num_threads" in first_guard(both)
 
 
 def test_a_missing_compiler_is_a_reason_and_any_other_error_is_raised():
@@ -136,6 +145,56 @@ def test_counter_backend_directly(tiny):
     want = step_at(tiny, forward_step, cache, 3)()
     assert torch.allclose(step_at(tiny, step, cache, 3)(), want, atol=1e-5)
     assert len(counter.graphs) == 1
+
+
+def test_a_failed_variant_is_a_reason_not_a_crash():
+    def broken():
+        raise RuntimeError("freezing met an op it cannot fold\nmore detail")
+
+    seconds, why = trial_call(broken)
+    assert math.isnan(seconds) and why == "it raised RuntimeError: freezing met an op it cannot fold"
+    seconds, why = trial_call(lambda: None)
+    assert why is None and seconds >= 0.0
+
+
+def test_the_frozen_sentence_points_the_right_way():
+    from labkit.experiments.compilation import frozen_sentence
+    from labkit.util.timing import Timing
+
+    def timing(ms):
+        return Timing("t", [ms * 1e-3 * (1 + d) for d in (-0.01, 0.0, 0.01, 0.0, 0.005)], 0, 1)
+
+    text = frozen_sentence(timing(10.0), timing(20.0), timing(25.0), timing(40.0), timing(20.0), 2,
+                           "all 1 runs identical")
+    assert "took 10.0 ms with 2 threads: 2.50 times faster than the eager step" in text
+    assert "2.00 times faster than the default compile" in text
+    assert "took 20.0 ms, 2.00 times faster than the eager step" in text
+    slow = frozen_sentence(timing(30.0), timing(20.0), timing(25.0), timing(20.0), timing(20.0), 2, "x")
+    assert "slower than the eager step" in slow and "slower than the default compile" in slow
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_a_frozen_step_holds_the_weights_it_was_compiled_with():
+    """Freezing took effect: the frozen step gives the eager logits, and after a weight
+    changes in place it still gives the old ones (its weights are constants of the graph),
+    while the default compile, whose weights are inputs, follows the change. Each step's
+    graphs are counted by its own backend."""
+    model = make_tiny_llama(vocab=97, layers=2, seed=21)
+    plain_counter, frozen_counter = CompileCounter(), CompileCounter()
+    plain, frozen = compile_step(plain_counter), compile_frozen_step(frozen_counter)
+    cache, _ = prefill(model, [3, 4, 5], True, 16)
+    eager = step_at(model, forward_step, cache, 3)
+    before = eager()
+    for step in (plain, frozen):
+        torch.testing.assert_close(step_at(model, step, cache, 3)(), before, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        model.layers[1].down.mul_(3.0)
+    after = eager()
+    assert (after - before).abs().max() > 1e-2  # the change moves the logits
+    torch.testing.assert_close(step_at(model, plain, cache, 3)(), after, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step_at(model, frozen, cache, 3)(), before, rtol=1e-4, atol=1e-4)
+    assert len(plain_counter.graphs) == 1 and len(frozen_counter.graphs) == 1
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ def test_pass_costs_records(tiny):
     assert [(r["what"], r["tokens"]) for r in rows] == [("target", 1), ("target", 2), ("target", 4),
                                                          ("draft-1", 1)]
     assert rows[0]["relative"] == 1.0 and rows[-1]["layers"] == 1
-    assert all(r["median_s"] > 0 for r in rows)
+    assert all(r["median_s"] > 0 and len(r["samples"]) == 2 for r in rows)
 
 
 def test_interleaved_takes_one_sample_per_round():
@@ -275,7 +275,8 @@ def test_c_kernel_rows_is_the_dispatch_the_passes_take(monkeypatch):
     monkeypatch.setitem(native._state, "lib", object())
     monkeypatch.setattr(native, "gemv", fake_gemv)
     rows = c_kernel_rows(packed)
-    assert rows == native.MAX_ROWS
+    assert rows == native.gemv_max_rows()  # the setting when the model was packed
+    assert c_kernel_rows(pack_model(model, max_rows=3)) == 3
     took_c = {}
     with torch.inference_mode():
         for n in range(1, rows + 3):

@@ -109,7 +109,9 @@ def test_helper_words_direction():
 def test_engine_kernel_name_follows_the_rows_and_the_build(monkeypatch):
     monkeypatch.setattr(native, "load", lambda: object())
     assert tu.engine_kernel_name(1) == "labkit's C gemv"
-    assert tu.engine_kernel_name(native.MAX_ROWS + 1) == "oneDNN with packed weights"
+    monkeypatch.setenv(native.GEMV_ROWS_ENV, "3")  # the engine's cutoff, not the block kernels'
+    assert tu.engine_kernel_name(3) == "labkit's C gemv"
+    assert tu.engine_kernel_name(4) == "oneDNN with packed weights"
     monkeypatch.setattr(native, "load", lambda: None)
     assert tu.engine_kernel_name(1) == "oneDNN with packed weights"
 

@@ -28,6 +28,56 @@ def test_packed_linear_equals_linear(rows):
         layer(x.double())
 
 
+def test_the_gemv_cutoff_is_a_setting_with_a_default(monkeypatch):
+    monkeypatch.delenv(native.GEMV_ROWS_ENV, raising=False)
+    assert native.gemv_max_rows() == native.GEMV_MAX_ROWS
+    monkeypatch.setenv(native.GEMV_ROWS_ENV, " 5 ")
+    assert native.gemv_max_rows() == 5 and PackedLinear(torch.ones(3, 2)).max_rows == 5
+    monkeypatch.setenv(native.GEMV_ROWS_ENV, "0")
+    assert native.gemv_max_rows() == 0
+    for bad in ("-1", "two", "2.5", "²"):  # a typo must not silently keep the default
+        monkeypatch.setenv(native.GEMV_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=native.GEMV_ROWS_ENV):
+            native.gemv_max_rows()
+    with pytest.raises(ValueError, match="max_rows"):
+        PackedLinear(torch.ones(3, 2), max_rows=-1)
+
+
+def test_rows_up_to_the_cutoff_take_the_c_kernel_and_more_take_onednn(monkeypatch):
+    """Each product is routed by its row count: the fake gemv and gemm record who got what;
+    a packed model made with another cutoff is another copy, routed by its own cutoff."""
+    taken = []
+
+    def fake_gemv(x, weight):
+        taken.append(("gemv", x.numel() // x.shape[-1]))
+        return F.linear(x, weight)
+
+    real_gemm = PackedLinear.gemm
+
+    def recording_gemm(self, x):
+        taken.append(("gemm", x.numel() // x.shape[-1]))
+        return real_gemm(self, x)
+
+    monkeypatch.setitem(native._state, "lib", object())  # a (fake) C library is loaded
+    monkeypatch.setattr(native, "gemv", fake_gemv)
+    monkeypatch.setattr(PackedLinear, "gemm", recording_gemm)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(24, 16, generator=g)
+    for cutoff in (0, 1, 3):
+        layer = PackedLinear(w, max_rows=cutoff)
+        for rows in range(1, 6):
+            taken.clear()
+            x = torch.randn(1, rows, 16, generator=g)
+            torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+            assert taken == [("gemv" if rows <= cutoff else "gemm", rows)], (cutoff, rows)
+    model = make_tiny_llama(seed=8)
+    two, three = pack_model(model, max_rows=2), pack_model(model, max_rows=3)
+    assert two is not three and pack_model(model, max_rows=2) is two
+    assert {m.max_rows for m in (two.lm_head, two.layers[0].qkv, three.lm_head)} == {2, 3}
+    monkeypatch.setenv(native.GEMV_ROWS_ENV, "3")
+    assert pack_model(model) is three  # the default is the setting when the model is packed
+
+
 def test_pack_model_keeps_the_logits_and_leaves_the_original_alone():
     model = make_tiny_llama(seed=3)
     packed = pack_model(model)

@@ -152,12 +152,43 @@ def first_call(call) -> tuple[float, str | None]:
     return time.perf_counter() - start, None
 
 
+def trial_call(call) -> tuple[float, str | None]:
+    """:func:`first_call` for an optional variant (the frozen compile): (seconds, None), or
+    (NaN, why) where it raised anything, the missing compiler's reason or the error's type
+    and first line, so the chapter records that variant as NOT_RUN with the reason and
+    goes on with the rest."""
+    try:
+        return first_call(call)
+    except Exception as error:  # a failure of the variant here is a finding, not a crash
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        return math.nan, f"it raised {type(error).__name__}: {first_line}"
+
+
 def compile_step(counter: CompileCounter | None = None, **options):
     """`torch.compile(forward_step)`, with `counter` as the backend if given. Dynamo's caches
     are reset first, so graphs from earlier experiments cannot serve this one."""
     torch._dynamo.reset()
     return torch.compile(forward_step, backend=counter if counter is not None else "inductor",
                          **options)
+
+
+def compile_frozen_step(counter: CompileCounter):
+    """`torch.compile(forward_step)` with Inductor's freezing (`torch._inductor.config.freezing`):
+    the model's parameters become constants of the graph, so Inductor can fold them and pack
+    each matrix product's weight once for the CPU's GEMM library, as labkit's engine packs
+    its weights for oneDNN (`labkit.kernels.packed`). Dynamo reads the setting while it
+    traces and Inductor while it compiles, and freezing applies only without autograd, so
+    the returned step sets both (`freezing=True`, `no_grad`) around every call, recompiles
+    included. `counter` must be a backend of its own: Dynamo keeps graphs per backend, so a
+    frozen graph never serves an unfrozen step. Dynamo's caches are not reset, so a step
+    compiled before keeps its graphs. A frozen graph holds the weights it was traced with:
+    it must be compiled again after they change in place."""
+    compiled = torch.compile(forward_step, backend=counter)
+
+    def frozen_step(model: Llama, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            return compiled(model, token_ids, cache)
+    return frozen_step
 
 
 @torch.no_grad()
@@ -258,12 +289,25 @@ def recompile_reasons():
 _GUARD = re.compile(r"^-\s*\d+/\d+:\s*(.*?)(\s+#.*)?$")
 
 
-def first_guard(reason: str) -> str:
-    """The first failed guard named in one recompilation message (without its comment)."""
+def failed_guards(reason: str) -> list[str]:
+    """The failed guards named in one recompilation message (without their comments), one per
+    graph Dynamo held for the function, leaving out graphs that failed only because another
+    backend built them (BACKEND_MATCH: a second compiled step of the same function, as the
+    frozen step beside the default one, whose graphs this call could never use)."""
+    out = []
     for line in reason.splitlines():
         match = _GUARD.match(line.strip())
-        if match:
-            return match.group(1).strip()
+        if match and not match.group(1).startswith("BACKEND_MATCH"):
+            out.append(match.group(1).strip())
+    return out
+
+
+def first_guard(reason: str) -> str:
+    """The first failed guard named in one recompilation message (without its comment),
+    graphs of other backends left out (`failed_guards`)."""
+    guards = failed_guards(reason)
+    if guards:
+        return guards[0]
     return reason.strip().splitlines()[-1] if reason.strip() else ""
 
 
@@ -326,6 +370,21 @@ def compile_verdict(eager: Timing, compiled: Timing, compile_s: float) -> dict:
         speed = f"the speed of the eager step within the noise (ratio {c.ratio:.2f}, {interval})"
         break_even = "not defined, because the compiled step saved no time beyond the noise"
     return {"comparison": c, "speed_phrase": speed, "break_even_phrase": break_even}
+
+
+def frozen_sentence(frozen: Timing, frozen_1t: Timing, eager: Timing, eager_1t: Timing,
+                    compiled: Timing, threads: int, agreement_phrase: str) -> str:
+    """The frozen compile's step in words for the prose: its median against the eager step's
+    and the default compile's (timed in the same rounds, with `threads` threads), and with
+    one thread against eager, each verdict by `labkit.util.compare`; then its greedy tokens
+    against eager (`agreement_phrase`, from `path_agreement.phrase`)."""
+    against_eager = compare(frozen.samples, eager.samples).phrase_than("the eager step")
+    against_default = compare(frozen.samples, compiled.samples).phrase_than("the default compile")
+    one = compare(frozen_1t.samples, eager_1t.samples).phrase_than("the eager step")
+    return (f"With freezing a step took {1e3 * frozen.median:.1f} ms with {threads} threads: "
+            f"{against_eager}, and {against_default}. With one thread it took "
+            f"{1e3 * frozen_1t.median:.1f} ms, {one}. Its greedy tokens against the eager ones, "
+            f"under the near-tie rule: {agreement_phrase}.")
 
 
 def _two_figures(x: float) -> str:

@@ -220,7 +220,7 @@ def decode_fit_facts(residuals: dict[int, float], c_rows: int,
                      margin: float = FIT_MARGIN) -> dict[str, Fact]:
     """Where the step model misses on decode-only steps: `residuals` maps D (decoding
     sequences) to (model - measured) / measured; `c_rows` is the most rows a step may hold
-    and still take labkit's C matrix-vector kernel here (`labkit.kernels.native.MAX_ROWS`
+    and still take labkit's C matrix-vector kernel here (`labkit.kernels.native.gemv_max_rows()`
     where it built, 0 where no step does). A miss is more than `margin`."""
     misses = {d: r for d, r in sorted(residuals.items()) if abs(r) > margin}
     if misses:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from labkit.util.compare import compare
-from labkit.util.timing import Timing, measure
+from labkit.util.timing import Timing, measure, measure_interleaved
 from labkit.engine.speculative import (LayerSkipDrafter, NgramDrafter, accept,
                                        expected_tokens_per_verification, speculative_generate)
 from labkit.sampling import SamplingParams, step_generator
@@ -185,12 +185,14 @@ def pass_costs(model, context_ids: list[int], sizes: Sequence[int], *, draft_lay
                repeats: int = 5, warmup: int = 1) -> list[dict[str, Any]]:
     """Time one pass of the target over `n` new tokens after a cached context, for n in
     `sizes` (n = 1 is a plain decode step, n = k + 1 a verification), and one 1-token step of
-    each layer-skip draft depth. Records: what ("target" or "draft-L"), tokens, layers,
-    median_s, p25_s, p75_s, spread, repeats, and relative (median / the target's 1-token
-    median)."""
+    each layer-skip draft depth, all in turns (`measure_interleaved`: each of `repeats`
+    rounds times every pass once), so that passes of neighbouring sizes can be compared
+    sample by sample. Records: what ("target" or "draft-L"), tokens, layers, median_s,
+    p25_s, p75_s, spread, repeats, samples (seconds), and relative (median / the target's
+    1-token median)."""
     sizes = sorted(set(sizes) | {1})
-    rows, base = [], None
     extra = list(context_ids[-max(sizes):])
+    runners, shapes = {}, {}
     for what, module in [("target", model)] + [(f"draft-{d}", LayerSkipDrafter(model, d).model)
                                                for d in draft_layers]:
         cache = module.new_cache(1, len(context_ids) + max(sizes) + 1)
@@ -200,16 +202,18 @@ def pass_costs(model, context_ids: list[int], sizes: Sequence[int], *, draft_lay
             ids = torch.tensor([extra[:n]])
 
             def step(ids=ids, cache=cache, filled=filled, module=module):
-                cache.length = filled
+                cache.length = filled  # every pass starts from the same cached context
                 return module(ids, cache=cache)
 
-            timing = measure(step, name=f"{what}-{n}", repeats=repeats, warmup=warmup)
-            if what == "target" and n == 1:
-                base = timing.median
-            rows.append({"what": what, "tokens": n, "layers": len(module.layers),
-                         "median_s": timing.median, "p25_s": timing.quantile(0.25),
-                         "p75_s": timing.quantile(0.75), "spread": timing.spread,
-                         "repeats": len(timing.samples)})
+            runners[f"{what}-{n}"] = step
+            shapes[f"{what}-{n}"] = (what, n, len(module.layers))
+    timings = measure_interleaved(runners, rounds=repeats, warmup=warmup)
+    rows = [{"what": what, "tokens": n, "layers": layers, "median_s": timings[name].median,
+             "p25_s": timings[name].quantile(0.25), "p75_s": timings[name].quantile(0.75),
+             "spread": timings[name].spread, "repeats": len(timings[name].samples),
+             "samples": list(timings[name].samples)}
+            for name, (what, n, layers) in shapes.items()]
+    base = timings["target-1"].median
     for row in rows:
         row["relative"] = row["median_s"] / base
     return rows
@@ -486,7 +490,8 @@ def c_kernel_rows(model) -> int:
     matrix-vector kernel here, 0 where no pass does. It reads the rule of
     :class:`labkit.kernels.packed.PackedLinear` off this model on this machine: every matrix
     packed with `native_gemv`, float32, and the C library built (`native.load()`); then
-    passes of up to `native.MAX_ROWS` tokens take the C kernel and wider ones oneDNN's."""
+    passes of up to the matrices' `max_rows` tokens (`native.gemv_max_rows()` when they were
+    packed) take the C kernel and wider ones oneDNN's."""
     from labkit.kernels import native
     from labkit.kernels.packed import PackedLinear
     from labkit.models.llama import MATRICES
@@ -499,7 +504,7 @@ def c_kernel_rows(model) -> int:
     if not all(isinstance(m, PackedLinear) and m.native_gemv and m.weight.dtype == torch.float32
                for m in matrices):
         return 0
-    return native.MAX_ROWS if native.load() is not None else 0
+    return min(m.max_rows for m in matrices) if native.load() is not None else 0
 
 
 def dispatch_reading(c_rows: int, relative: Mapping[int, float], margin: float = COST_MARGIN) -> str:

@@ -129,7 +129,7 @@ def helper_words(share: float) -> str:
 def engine_kernel_name(rows: int) -> str:
     """Which kernel labkit's engine (`labkit.kernels.packed.PackedLinear`) uses for a
     float32 product of `rows` rows on this machine."""
-    if rows <= native.MAX_ROWS and native.load() is not None:
+    if rows <= native.gemv_max_rows() and native.load() is not None:
         return "labkit's C gemv"
     return "oneDNN with packed weights"
 

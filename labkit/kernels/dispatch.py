@@ -66,6 +66,8 @@ def dispatch_report() -> dict[str, Any]:
             "why_not": native.why_unavailable(),
             "flags": list(native.build_flags() or ()),
             "features": native.build_features(lib) if lib is not None else [],
+            # float32 products of up to this many rows take the C gemv (0 where it is not built)
+            "gemv_max_rows": native.gemv_max_rows() if lib is not None else 0,
         },
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn": {

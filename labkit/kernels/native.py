@@ -8,7 +8,10 @@ thread takes a contiguous band of weight rows, and each row is one dot product w
 activation (which stays in L1), vectorized by the compiler (`omp simd`). On the book's
 2-core machine it streamed the 30 layers' matrices at about 26 GB/s where MKL's `F.linear`
 managed about 12 and oneDNN's packed kernel about 20 (chapter 18 times a decode step with
-each).
+each). With a few rows (a short verification, a small batch) each weight row, read once,
+serves every row's dot product, but the multiply-adds grow with the rows: beyond
+`gemv_max_rows()` rows oneDNN's packed GEMM is the cheaper path (`GEMV_MAX_ROWS` says why the
+cutoff is a setting).
 
 **paged_attention.** An engine step packs the new tokens of many sequences into one batch:
 one token for a sequence that is decoding, a chunk of prompt for one that is prefilling.
@@ -70,7 +73,20 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # CPU without AVX2 takes (the test matrix runs the whole suite so, `make test-matrix`).
 ARCH_ENV = "LABKIT_NATIVE_ARCH"
 FEATURES = {1: "AVX2+FMA intrinsics", 2: "16-lane (AVX-512) attention vectors", 4: "F16C conversions"}
-MAX_ROWS = 4  # beyond a few rows a blocked GEMM (oneDNN, MKL) reuses weights better
+# Up to how many rows a product on the model file's blocks (`gguf_blocks`, `bf16_weights`) with
+# float32 x reads the blocks; beyond a few rows a blocked GEMM (oneDNN, MKL) reuses weights better.
+MAX_ROWS = 4
+# Up to how many rows a float32 product takes `gemv` instead of oneDNN's packed GEMM
+# (`labkit.kernels.packed`). gemv reads each weight once for all its rows but does every row's
+# multiply-adds on its own, so its cost grows by a good part of a one-row product per row, while
+# the packed GEMM costs more for one row and grows slowly: the two cross after a few rows, where
+# depends on the machine (vector width, cores, caches). On the book's 2-core AVX-512 machine a
+# 3- and a 4-token pass on the C kernel cost more than a 5-token one on oneDNN, and the products
+# alone crossed at 2 to 3 rows; chapter 17 measures the crossover where it runs
+# (`labkit.experiments.gemv_rows`) and says whether this default is it. A machine whose
+# crossover lies elsewhere sets $LABKIT_GEMV_MAX_ROWS (0: every product to oneDNN).
+GEMV_MAX_ROWS = 2
+GEMV_ROWS_ENV = "LABKIT_GEMV_MAX_ROWS"
 
 _state: dict = {}
 _SIGNATURES = {
@@ -176,6 +192,18 @@ def why_unavailable() -> str | None:
 def build_flags() -> tuple[str, ...] | None:
     """The compiler flags of the loaded build (None where the kernels are not loaded)."""
     return _state.get("flags") if load() is not None else None
+
+
+def gemv_max_rows() -> int:
+    """Up to how many rows a float32 product takes `gemv` (see `GEMV_MAX_ROWS`): the value of
+    ``$LABKIT_GEMV_MAX_ROWS`` where it is set, else `GEMV_MAX_ROWS`. ValueError for a value
+    that is not a whole number >= 0 (a typo must not silently keep the default)."""
+    text = os.environ.get(GEMV_ROWS_ENV, "").strip()
+    if not text:
+        return GEMV_MAX_ROWS
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{GEMV_ROWS_ENV}={text!r}: give a whole number of rows >= 0")
+    return int(text)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
