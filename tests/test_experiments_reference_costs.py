@@ -172,3 +172,21 @@ def test_plain_and_transformers_timers_step_their_models(model, reference):
         assert len(times) == 3 and all(t > 0 for t in times)
     with pytest.raises(ValueError, match="cannot time"):
         timer_for(object())
+
+
+def test_an_engine_that_cannot_run_is_left_out_with_its_reason(monkeypatch):
+    import labkit.experiments.reference_costs as costs
+
+    def engine(model, config):  # the C kernels do not build: every mode but float32 refuses
+        if config.weights != "f32":
+            raise ValueError(f"weights={config.weights!r} needs labkit's C kernels")
+        return config
+
+    monkeypatch.setattr(costs, "LLMEngine", engine)
+    skipped = {}
+    engines = costs.reference_engines(object(), 32, skipped)
+    assert set(engines) == {"engine, fast_kernels=False", "engine f32"}
+    assert set(skipped) == {"engine bf16", "engine gguf", "engine gguf-int8"}
+    assert all("C kernels" in reason for reason in skipped.values())
+    with pytest.raises(ValueError, match="C kernels"):
+        costs.reference_engines(object(), 32)

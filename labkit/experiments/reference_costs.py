@@ -219,10 +219,12 @@ def timer_for(subject):
     raise ValueError(f"cannot time a {type(subject).__name__}")
 
 
-def reference_engines(model, longest: int) -> dict[str, LLMEngine]:
+def reference_engines(model, longest: int, skipped: dict[str, str] | None = None) -> dict[str, LLMEngine]:
     """The engine in each weight mode, and with fast_kernels=False, serving `model`: a pool
     just large enough for one sequence of `longest` tokens, no prefix caching (a timed
-    prompt must be computed every time), a step budget that holds a whole prompt."""
+    prompt must be computed every time), a step budget that holds a whole prompt. A mode
+    that cannot run here (no C compiler, a model it does not serve) raises its ValueError,
+    or, given a `skipped` dict, is left out and its reason put there."""
     pool = -(-(longest + 64) // 16) * 16
     base = EngineConfig(kv_cache_tokens=pool, prefix_caching=False,
                         scheduler=SchedulerConfig(max_batched_tokens=longest, max_num_seqs=1))
@@ -230,7 +232,15 @@ def reference_engines(model, longest: int) -> dict[str, LLMEngine]:
                "engine f32": replace(base, weights="f32"), "engine bf16": replace(base, weights="bf16"),
                "engine gguf": replace(base, weights="gguf"),
                "engine gguf-int8": replace(base, weights="gguf-int8")}
-    return {label: LLMEngine(model, config) for label, config in configs.items()}
+    engines = {}
+    for label, config in configs.items():
+        try:
+            engines[label] = LLMEngine(model, config)
+        except ValueError as exc:
+            if skipped is None:
+                raise
+            skipped[label] = str(exc)
+    return engines
 
 
 @dataclass(frozen=True)
