@@ -197,6 +197,13 @@ def test_decode_helpers_on_a_tiny_model():
     assert sweeps.decode_matmul_pass(model, rows=3)().shape == (3, 64)  # a prefill's rows
     with pytest.raises(ValueError):
         sweeps.decode_matmul_pass(model, rows=0)
+    # a prefill that keeps the last logits only runs the LM head on one row: the head's
+    # output is the first row's, and the head sees exactly one row
+    head_one = sweeps.decode_matmul_pass(model, rows=3, head_rows=1)()
+    assert head_one.shape == (1, 64)
+    torch.testing.assert_close(head_one, sweeps.decode_matmul_pass(model, rows=3)()[:1])
+    with pytest.raises(ValueError):
+        sweeps.decode_matmul_pass(model, rows=3, head_rows=4)
     from labkit.kernels.packed import pack_model
 
     packed = pack_model(model)  # the engine's kernels: the same products as F.linear

@@ -1,5 +1,5 @@
 """The baseline's thread comparison, its memory-rate verdict and read size, and the near-tie rule of the loop check (labkit.experiments.part_checks),
-on synthetic samples: no model needed."""
+on synthetic samples (the interleaving of the baseline runs the model)."""
 
 import pytest
 import torch
@@ -149,3 +149,31 @@ def test_memory_rate_verdict_with_an_interval_across_the_line_cannot_tell():
                                                                       interval=(0.80, 0.84))
     with pytest.raises(ValueError):
         checks.memory_rate_verdict(8.0, 10.0, interval=(0.9, 0.7))
+
+
+def test_interleaved_baselines_alternate_thread_counts_round_by_round(model):
+    # A drift of the machine's speed must fall on both thread counts: the requests (and the
+    # extra call after each) must alternate 1, 2, 1, 2, ..., never all of 1 and then 2.
+    from labkit.engine.loop import generate
+
+    order = []
+
+    def loop(m, prompt, params):
+        order.append(("request", torch.get_num_threads()))
+        return generate(m, prompt, params)
+
+    def read():
+        order.append(("read", torch.get_num_threads()))
+
+    rows = checks.interleaved_baselines(model, "The capital of France is", threads=(1, 2), new_tokens=2,
+                                        rounds=3, warmup=1, loop=loop, extras={"memory_read": read},
+                                        extra_repeats=2)
+    one_round = [("request", 1), ("read", 1), ("read", 1), ("request", 2), ("read", 2), ("read", 2)]
+    assert order == one_round * 4  # the warm-up round, then three timed rounds
+    assert [r["threads"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["new_tokens"] == 2 and row["repeats"] == 3
+        assert len(row["request_samples_s"]) == len(row["decode_step_samples_s"]) == 3
+        assert len(row["memory_read_samples_s"]) == 6  # the warm-up round's reads are not kept
+    with pytest.raises(ValueError, match="at least 3 rounds"):
+        checks.interleaved_baselines(model, "x", rounds=2)

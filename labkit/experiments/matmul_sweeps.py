@@ -474,16 +474,19 @@ def gemv_calls_per_token(config) -> dict[str, int]:
             "down": config.num_layers, "lm_head": 1}
 
 
-def decode_matmul_pass(model, rows: int = 1) -> Callable[[], torch.Tensor]:
+def decode_matmul_pass(model, rows: int = 1, head_rows: int | None = None) -> Callable[[], torch.Tensor]:
     """A function that performs exactly the weight matmuls of one decode step of `model`
     (a labkit Llama) on its own weights, in its own layout and through its own kernel
     (``F.linear``, or the layer's module where the weights are packed, as
     :func:`labkit.models.llama.linear` does), with fixed random activations of the right
     widths, and nothing else: no norms, attention, RoPE or cache. Timing it gives the matmul
     part of a decode step with the same memory traffic. With `rows` > 1 every product takes
-    that many rows, as a prefill of `rows` tokens does."""
-    if rows < 1:
-        raise ValueError(f"rows must be at least 1, got {rows}")
+    that many rows, as a prefill of `rows` tokens does. `head_rows` (default `rows`): the
+    rows the LM head multiplies; a prefill that keeps only the last position's logits
+    (`last_only`, as engine v0's loop asks) runs the head on one row."""
+    head_rows = rows if head_rows is None else head_rows
+    if rows < 1 or not 1 <= head_rows <= rows:
+        raise ValueError(f"need rows >= 1 and 1 <= head_rows <= rows, got {rows} and {head_rows}")
     generator = torch.Generator().manual_seed(0)
     hidden = model.config.hidden_size
     h = _random((rows, hidden), generator, model.dtype, "cpu")
@@ -497,7 +500,7 @@ def decode_matmul_pass(model, rows: int = 1) -> Callable[[], torch.Tensor]:
                 linear(attn, layer.o_proj)
                 linear(h, layer.gate_up)
                 linear(act, layer.down)
-            return linear(h, model.lm_head)
+            return linear(h[:head_rows], model.lm_head)
 
     return run
 

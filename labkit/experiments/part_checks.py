@@ -45,6 +45,7 @@ __all__ = [
     "broken_sampler",
     "broken_loop",
     "baseline_throughput",
+    "interleaved_baselines",
     "BASELINE_STAGES",
     "thread_comparisons",
     "memory_rate_verdict",
@@ -396,6 +397,66 @@ def baseline_throughput(model: EngineModel, prompt: str, *, threads: int, new_to
         "request_samples_s": list(timing.samples), "prefill_samples_s": prefills,
         "decode_step_samples_s": steps,
     }
+
+
+def interleaved_baselines(model: EngineModel, prompt: str, *, threads: Sequence[int] = (1, 2),
+                          new_tokens: int = 32, rounds: int = 5, warmup: int = 1,
+                          loop: Loop | None = None,
+                          extras: dict[str, Callable[[], Any]] | None = None,
+                          extra_repeats: int = 3) -> list[dict[str, Any]]:
+    """:func:`baseline_throughput` on each of `threads`, timed interleaved: round by round,
+    one request on each thread count in turn (after `warmup` untimed requests on each), so
+    that a drift of the machine's speed during the run falls on every thread count alike
+    instead of on whichever ran last. Each of `extras` (a name and a call, such as a plain
+    memory read) is timed `extra_repeats` times right after each request, on the same
+    threads; its times travel as ``<name>_samples_s``. One row per thread count, in the
+    fields of :func:`baseline_throughput`."""
+    import time
+
+    from labkit.engine.loop import generate
+    from labkit.util.timing import Timing, num_threads
+
+    if rounds < 3:
+        raise ValueError(f"a comparison with an interval needs at least 3 rounds, got {rounds}")
+    loop, extras = loop or generate, extras or {}
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    runs: dict[int, list] = {t: [] for t in threads}
+    times: dict[int, list[float]] = {t: [] for t in threads}
+    extra_times: dict[tuple[int, str], list[float]] = {(t, n): [] for t in threads for n in extras}
+    for round_index in range(-warmup, rounds):
+        for count in threads:
+            with num_threads(count):
+                start = time.perf_counter()
+                run = loop(model, prompt, params)
+                elapsed = time.perf_counter() - start
+                for name, fn in extras.items():
+                    for _ in range(extra_repeats):
+                        begin = time.perf_counter()
+                        fn()
+                        if round_index >= 0:
+                            extra_times[(count, name)].append(time.perf_counter() - begin)
+            if round_index >= 0:
+                runs[count].append(run)
+                times[count].append(elapsed)
+    rows = []
+    for count in threads:
+        timing = Timing(f"{count} thread(s)", times[count], warmup=warmup, threads=count)
+        prefills = [r.timings.prefill for r in runs[count]]
+        steps = [r.timings.decode / len(r.timings.decode_steps) for r in runs[count]]
+        prefill, step = statistics.median(prefills), statistics.median(steps)
+        row = {
+            "threads": count, "new_tokens": len(runs[count][-1].token_ids),
+            "prompt_tokens": len(runs[count][-1].prompt_token_ids), "repeats": rounds,
+            "request_s": timing.median, "request_spread": timing.spread,
+            "tokens_per_s": new_tokens / timing.median, "prefill_ms": 1e3 * prefill,
+            "decode_ms_per_token": 1e3 * step, "decode_tokens_per_s": 1.0 / step,
+            "request_samples_s": list(times[count]), "prefill_samples_s": prefills,
+            "decode_step_samples_s": steps,
+        }
+        for name in extras:
+            row[f"{name}_samples_s"] = extra_times[(count, name)]
+        rows.append(row)
+    return rows
 
 
 # The stages whose samples a baseline row carries (with an added "memory_read" where a row has
