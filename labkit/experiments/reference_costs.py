@@ -111,8 +111,11 @@ def engine_parts(engine: LLMEngine) -> list[str]:
 def model_parts(model) -> list[str]:
     """A model called directly (no engine): its own matrices and attention."""
     if hasattr(model, "layers"):  # a labkit model: Llama (or one a backend prepared), Gemma 3
-        attention = ("SDPA with window masks, contiguous KV cache" if hasattr(model.config, "layer_windows")
-                     else "SDPA causal (enable_gqa), contiguous KV cache")
+        # a whole prompt runs SDPA's causal kernel; a chunk after cached positions (and a
+        # window that hides keys) hands SDPA a mask instead (models/llama.py, window_cache.py)
+        attention = ("SDPA, window masks; KV cache rolling per window by default"
+                     if hasattr(model.config, "layer_windows")
+                     else "SDPA causal for a whole prompt, masked for a later chunk; contiguous KV cache")
         return [matmul_path(model), attention]
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
