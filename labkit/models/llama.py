@@ -112,9 +112,11 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Query head kv * group + g reads KV head kv: SDPA's `enable_gqa` layout, so K/V are read
     in place. A prompt attending to itself (q_start 0) passes `is_causal`, which lets the
-    kernel skip the masked half of the score square; a chunk after cached positions passes
-    its [T, S] mask (the kernel then scores the whole rectangle). An explicit mask on a
-    whole prompt cost 2.3-2.7x the causal flag at 2,048-4,096 tokens (chapter 8)."""
+    kernel skip the key blocks wholly above the diagonal (PyTorch's CPU flash kernel works in
+    512-key blocks, so a prompt of 512 tokens or fewer skips none; chapter 4 times the flag);
+    a chunk after cached positions passes its [T, S] mask (the kernel then scores the whole
+    rectangle). The path this replaced, one [group x T, S] mask for every prefill, was measured
+    in commit 2929be7's note; chapter 8 times a mask against the flag."""
     batch, kv_heads, group, steps, dim = q.shape
     keys = k.shape[2]
     if q_start + steps != keys:
