@@ -10,11 +10,16 @@ tokens is scored over the whole square, and the triangle's saving appears only b
 
 - :func:`kernel_scored_pairs`: the (query, key) scores that schedule computes, against the
   square and the causal triangle.
+- :func:`stacked_mask_attention`: the path labkit's model took before the causal flag
+  (commit 2929be7 replaced it): the query heads that share a KV head stacked along the
+  sequence axis, `[B, kv_heads, group * T, D]`, with a `[group * T, T]` boolean mask built
+  on every call and no `enable_gqa`.
 - :func:`time_causal_flag`: one attention call per prompt length with the causal flag, with
-  no mask at all (the whole square, a different result), and with an explicit boolean
-  [T, T] mask (what a kernel given a mask computes: every block), interleaved in rounds.
-  The timing is the check on the schedule: a PyTorch version with other block sizes shows
-  up as a ratio the schedule does not predict.
+  an explicit boolean [T, T] mask (what a kernel given a mask computes: every block), with
+  the old stacked path, and with no mask at all (the whole square, a different result),
+  interleaved in rounds. The timing is the check on the schedule: a PyTorch version with
+  other block sizes shows up as a ratio the schedule does not predict
+  (:func:`predicted_flag_speedup`, :func:`prediction_against`).
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from labkit.util.compare import Comparison
 from labkit.util.timing import measure_interleaved
 
 KV_BLOCK = 512  # keys per block, every query length
 Q_BLOCKS = ((768, 256), (192, 64), (0, 32))  # (from this many queries, rows per block)
-VARIANTS = ("causal flag", "explicit mask", "no mask")
+OLD_PATH = "old stacked path"  # the model's prefill attention before the causal flag
+VARIANTS = ("causal flag", "explicit mask", OLD_PATH, "no mask")
 
 
 def query_block(q_len: int) -> int:
@@ -60,15 +67,53 @@ def square_share(length: int) -> float:
     return kernel_scored_pairs(length) / length**2
 
 
+def predicted_flag_speedup(length: int) -> float:
+    """How many times faster than no mask the causal flag should be over a prompt of
+    `length` tokens if the time follows the scores computed: the square over the schedule's
+    scores (1.0 up to one key block)."""
+    return 1.0 / square_share(length)
+
+
+def prediction_against(predicted: float, measured: Comparison) -> str:
+    """Where a predicted ratio lies against a measured one's interval: "inside" it,
+    "above" it (the measurement fell short of the prediction) or "below" it."""
+    if predicted > measured.high:
+        return "above"
+    if predicted < measured.low:
+        return "below"
+    return "inside"
+
+
+def stacked_mask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped attention of a prompt over itself the way labkit's model computed it
+    before the causal flag (2929be7's parent): q [B, heads, T, D], where query head
+    `kv * group + g` reads KV head `kv`, and k, v [B, kv_heads, T, D]. The `group` query heads
+    of a KV head are stacked along the sequence axis, so SDPA sees `kv_heads` heads of
+    `group * T` queries, with a `[group * T, T]` mask (row r is position r % T) built on
+    every call, as the old path did. Returns [B, heads, T, D], the causal result."""
+    batch, heads, steps, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if heads % kv_heads or keys != steps:
+        raise ValueError(f"{heads} query heads over {kv_heads} KV heads of {keys} keys: need "
+                         f"whole groups and a prompt attending to its own {steps} positions")
+    group = heads // kv_heads
+    stacked = q.reshape(batch, kv_heads, group * steps, dim)
+    q_pos = torch.arange(steps, device=q.device).repeat(group)  # row r: position r % T
+    mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask)
+    return out.reshape(batch, heads, steps, dim)
+
+
 def time_causal_flag(lengths: Sequence[int], *, heads: int, kv_heads: int, head_dim: int,
                      rounds: int = 5, threads: int | None = None,
                      seed: int = 0) -> list[dict[str, Any]]:
-    """Time one grouped attention call (`enable_gqa`, float32) over a prompt of each
-    length, in the three :data:`VARIANTS`, all interleaved for `rounds` rounds. Before
-    timing, checks that the causal flag and the explicit mask give the same output (within
-    float32 rounding), so the two timed variants compute one function. One record per
-    (length, variant): samples_s, median_s, scored (the schedule's scores per head: the
-    square for the mask and for no mask)."""
+    """Time one grouped attention call (float32) over a prompt of each length, in the four
+    :data:`VARIANTS`, all interleaved for `rounds` rounds: the causal flag, an explicit
+    [T, T] mask (both with `enable_gqa`), the old stacked path
+    (:func:`stacked_mask_attention`) and no mask. Before timing, checks that the three
+    causal variants give the same output (within float32 rounding), so they compute one
+    function. One record per (length, variant): samples_s, median_s, scored (the schedule's
+    scores per query head: the square for the masks and for no mask)."""
     if rounds < 3:
         raise ValueError("rounds must be at least 3 (compare needs three samples a side)")
     generator = torch.Generator().manual_seed(seed)
@@ -79,23 +124,27 @@ def time_causal_flag(lengths: Sequence[int], *, heads: int, kv_heads: int, head_
         mask = torch.ones(length, length, dtype=torch.bool).tril()
         causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        if not torch.allclose(causal, masked, atol=1e-5, rtol=1e-4):
-            raise AssertionError(f"causal flag and explicit mask disagree at {length} tokens")
+        for name, out in (("explicit mask", masked), (OLD_PATH, stacked_mask_attention(q, k, v))):
+            if not torch.allclose(causal, out, atol=1e-5, rtol=1e-4):
+                raise AssertionError(f"causal flag and {name} disagree at {length} tokens")
         runners[(length, "causal flag")] = (
             lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                  enable_gqa=True))
         runners[(length, "explicit mask")] = (
             lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=True))
+        runners[(length, OLD_PATH)] = lambda q=q, k=k, v=v: stacked_mask_attention(q, k, v)
         runners[(length, "no mask")] = (
             lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         scored[(length, "causal flag")] = kernel_scored_pairs(length)
-        scored[(length, "explicit mask")] = scored[(length, "no mask")] = length * length
+        for variant in ("explicit mask", OLD_PATH, "no mask"):
+            scored[(length, variant)] = length * length
     timings = measure_interleaved(runners, rounds=rounds, warmup=1, threads=threads)
     return [{"length": length, "variant": variant, "samples_s": list(t.samples),
              "median_s": statistics.median(t.samples), "scored": scored[(length, variant)]}
             for (length, variant), t in timings.items()]
 
 
-__all__ = ["KV_BLOCK", "Q_BLOCKS", "VARIANTS", "kernel_scored_pairs", "query_block",
-           "square_share", "time_causal_flag"]
+__all__ = ["KV_BLOCK", "OLD_PATH", "Q_BLOCKS", "VARIANTS", "kernel_scored_pairs",
+           "predicted_flag_speedup", "prediction_against", "query_block", "square_share",
+           "stacked_mask_attention", "time_causal_flag"]
